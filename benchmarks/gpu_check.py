@@ -81,7 +81,9 @@ The files are also written before the models are built (the card, the versions, 
 ``code.source_digest``, and the commit where there is a ``.git``) and before each part, naming
 it ``running``: a run killed by its time limit says where. A part's optional pieces (memory,
 profiles, host time) that fail are recorded as ``part.piece`` in ``errors``, its timings
-kept; the compiled part compiles each model only while one more compile fits the budget.
+kept, and so is a step that fails its first run (an option's, a graph's capture, a model's
+compile: :func:`runnable`), the part's other steps timed; the compiled part compiles each
+model only while one more compile fits the budget.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -234,9 +236,37 @@ def attempt(clock: Clock, errors: dict, name: str, fn, default=None):
     except Exception as e:  # noqa: BLE001 - recorded; the part's other results stand
         if clock.strict:
             raise
-        errors[name] = "".join(traceback.format_exception(e))[-3000:]
-        log(f"[gpu_check]   {name} FAILED (the part's other results kept):\n{errors[name]}")
+        record(errors, name, e)
         return default
+
+
+def record(errors: dict, name: str, e: Exception) -> None:
+    """``e``'s traceback as ``errors[name]``, and in the log."""
+    errors[name] = "".join(traceback.format_exception(e))[-3000:]
+    log(f"[gpu_check]   {name} FAILED (the part's other results kept):\n{errors[name]}")
+
+
+def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "") -> dict:
+    """The ``steps`` that run once (their warm-up) without raising, in order. One that raises
+    is left out, its traceback recorded as ``errors[prefix + name]``: a step no GPU has run
+    yet - an option's, Phase 1 in one kernel, a graph's capture - cannot lose the part's
+    other rows, the targets' among them. Raised where ``clock`` is strict (the smoke) or the
+    failure left the device unusable (the part fails; the parts after it run in a fresh
+    process)."""
+    device, kept = "cuda" if clock.cuda else "cpu", {}
+    for name, step in steps.items():
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - recorded; the other steps stand
+            if clock.strict or not device_usable(device):
+                raise
+            record(errors, prefix + name, e)
+        else:
+            kept[name] = step
+    if len(kept) < len(steps):  # (the failures' tracebacks held their tensors: an out-of-memory step's)
+        release_memory(device)
+    clock.sync()
+    return kept
 
 
 # -------------------------------------------------------------------------------------- the ops
@@ -927,11 +957,10 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
     result = {"errors": errors}
     start = time.perf_counter()
     if compiled:  # (each model's first step compiles it: minutes, so each within the deadline)
-        steps, result["compile_s"], result["dropped"] = compile_within(steps, clock)
+        steps, result["compile_s"], result["dropped"] = compile_within(steps, clock, errors)
     else:
-        for step in steps.values():
-            step()
-        clock.sync()
+        steps = runnable(clock, errors, steps)
+        forwards = {k: f for k, f in forwards.items() if k in steps}
     result["warm_up_s"] = time.perf_counter() - start
     result["ms"] = {k: t * 1e3 for k, t in clock.interleaved(steps, z.repeats).items()}
     if compiled:  # (where a compiled step's device time goes: one more step each, already compiled)
@@ -954,13 +983,14 @@ COMPILE_S = 70
 COMPILED_TIMING_S = 20
 
 
-def compile_within(steps: dict, clock: Clock) -> tuple[dict, dict[str, float], dict[str, str]]:
+def compile_within(steps: dict, clock: Clock, errors: dict) -> tuple[dict, dict[str, float], dict[str, str]]:
     """Run each compiled step once (this compiles it), in order, while the time to the
     deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far)
     and the timing after it (:data:`COMPILED_TIMING_S`):
     ``(the compiled steps, {model: compile seconds}, {model dropped: why})``. The standard
     model comes first and Block second: a run short of time drops Full AttnRes, which has
-    no target, and says so, rather than being cut off by the command's time limit."""
+    no target, and says so, rather than being cut off by the command's time limit. A model
+    whose compile raises is left out, recorded in ``errors`` (:func:`runnable`)."""
     kept, seconds, dropped = {}, {}, {}
     for name, step in steps.items():
         need = max([COMPILE_S, *(1.2 * t for t in seconds.values())]) + COMPILED_TIMING_S
@@ -971,8 +1001,8 @@ def compile_within(steps: dict, clock: Clock) -> tuple[dict, dict[str, float], d
             log(f"[gpu_check]   {name}: {dropped[name]}")
             continue
         start = time.perf_counter()
-        step()
-        clock.sync()
+        if not runnable(clock, errors, {name: step}):
+            continue
         seconds[name] = time.perf_counter() - start
         log(f"[gpu_check]   {name} compiled in {seconds[name]:.0f} s")
         kept[name] = step
@@ -1040,17 +1070,68 @@ def weights_in(models: dict, dtype: torch.dtype) -> Iterator[None]:
             model.float()
 
 
-def loaded_caches(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str) -> tuple[KVCache, StaticDecoder]:
+def loaded_cache(model, batch: int, z: Sizes, device: str, dtype: torch.dtype) -> KVCache:
     """A dynamic cache holding a ``z.seq``-token context (random keys and values) for
-    ``model`` at ``batch``, and a :class:`StaticDecoder` in ``mode`` loaded with it."""
+    ``model`` at ``batch``."""
     cfg = model.config
     cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
     shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
     for layer in range(cfg.n_layers):
         cache.update(layer, torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype))
+    return cache
+
+
+def loaded_caches(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str) -> tuple[KVCache, StaticDecoder]:
+    """:func:`loaded_cache`, and a :class:`StaticDecoder` in ``mode`` loaded with it."""
+    cache = loaded_cache(model, batch, z, device, dtype)
     decoder = StaticDecoder(model, batch, capacity=z.seq + 1, mode=mode)
     decoder.load(cache)
     return cache, decoder
+
+
+def lazily(make, run):
+    """A step that makes what it runs on its first call, ``made = make()``, then runs
+    ``run(made)`` at each call: what it is made of - a cache, a captured graph - fails as
+    the step does (:func:`runnable`)."""
+    made = []
+
+    def step():
+        if not made:
+            made.append(make())
+        run(made[0])
+
+    return step
+
+
+def decode_steps(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str, tokens) -> dict:
+    """``model``'s decode step of ``tokens`` after a ``z.seq``-token context: ``eager`` (the
+    dynamic cache) and ``graphed`` (a :class:`StaticDecoder` in ``mode``), each making its
+    cache on its first call (:func:`lazily`)."""
+    def eager(cache):
+        decode_step(model, cache, tokens)
+        cache.crop(z.seq)
+
+    def graphed(decoder):
+        decoder.step(tokens)
+        decoder.rewind(z.seq)
+
+    return {"eager": lazily(lambda: loaded_cache(model, batch, z, device, dtype), eager),
+            "graphed": lazily(lambda: loaded_caches(model, batch, z, device, dtype, mode)[1], graphed)}
+
+
+def one_kernel_step(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str, tokens):
+    """Block's graphed step of :func:`decode_steps` with Phase 1's forward in one kernel
+    (:data:`ONE_KERNEL`): captured so (eager, each step so)."""
+    def make():
+        with phase1_in_one_kernel():
+            return loaded_caches(model, batch, z, device, dtype, mode)[1]
+
+    def run(decoder):
+        with phase1_in_one_kernel():
+            decoder.step(tokens)
+        decoder.rewind(z.seq)
+
+    return lazily(make, run)
 
 
 #: The graphed decode step's extra variant: Block AttnRes with Phase 1's forward in one
@@ -1070,37 +1151,23 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     kernel (:data:`ONE_KERNEL`)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
-    result = {}
+    result, errors = {}, {}
     with weights_in(models, dtype):
         for batch in DECODE_BATCHES:
             tokens = torch.randint(0, z.vocab, (batch,), device=device)
-            steps = {}
-            for name, model in models.items():
-                cache, decoder = loaded_caches(model, batch, z, device, dtype, static_mode)
-
-                def eager(model=model, cache=cache):
-                    decode_step(model, cache, tokens)
-                    cache.crop(z.seq)
-
-                def graphed(decoder=decoder):
-                    decoder.step(tokens)
-                    decoder.rewind(z.seq)
-
-                steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
+            steps = {f"{name}|{mode}": step for name, model in models.items()
+                     for mode, step in decode_steps(model, batch, z, device, dtype, static_mode, tokens).items()}
             if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
-                with phase1_in_one_kernel():  # (captured so; eager, each step so)
-                    _, one_kernel_decoder = loaded_caches(models["block"], batch, z, device, dtype, static_mode)
-
-                def one_kernel(decoder=one_kernel_decoder):
-                    with phase1_in_one_kernel():
-                        decoder.step(tokens)
-                    decoder.rewind(z.seq)
-
-                steps[f"{ONE_KERNEL}|graphed"] = one_kernel
+                steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype, static_mode,
+                                                                 tokens)
+            # (each step's cache made, its graph captured, at its first run: one that fails is
+            # recorded, the others timed)
+            steps = runnable(clock, errors, steps, prefix=f"b{batch} ")
             for key, t in clock.interleaved(steps, z.repeats).items():
                 name, mode = key.split("|")
                 result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
-            del steps, cache, decoder
+            del steps  # (and with them the caches and graphs, before the next batch's)
+    result["errors"] = errors
     return result
 
 

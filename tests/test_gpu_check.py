@@ -894,6 +894,70 @@ def test_a_parts_optional_piece_that_fails_keeps_the_parts_timings(monkeypatch):
     assert gpu_check.summarize(result)["memory"] is None and "## train_eager" in gpu_check.render(result)
 
 
+def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_timed(monkeypatch):
+    """The parts' steps that no GPU has run yet - the eager part's options (the stream in
+    bf16), a decode graph's capture, Phase 1 in one kernel, a model's compile - are run once
+    each before the timing: one that raises on the GPU is recorded under the part's
+    ``errors`` and left out, and the others - the targets' among them - are timed; on the
+    CPU (the smoke) it fails the part."""
+    import contextlib
+
+    import gpu_check
+
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    lenient = gpu_check.Clock("cpu", strict=False)
+
+    def bf16_stream(model, on):
+        if on:
+            raise RuntimeError("Triton Error [CUDA]: out of resources")
+        return False
+
+    monkeypatch.setitem(gpu_check.MODEL_OPTIONS, "autocast_stream", bf16_stream)
+    eager = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=False, paired=True)
+    stream = set(gpu_check.STREAM)
+    assert {"standard", "block", "full", *gpu_check.NORM_OUT} <= set(eager["ms"]) and not stream & set(eager["ms"])
+    assert set(eager["errors"]) == stream and "out of resources" in eager["errors"]["block (bf16 stream)"]
+    assert set(eager["peak_memory_MiB"]) == set(eager["kept_MiB"]) == set(eager["ms"])
+    with pytest.raises(RuntimeError, match="out of resources"):
+        gpu_check.part_train(gpu_check.SMOKE, gpu_check.Clock("cpu"), models, "cpu", compiled=False, paired=True)
+
+    # decode: Full's graph capture and Block's step with Phase 1 in one kernel fail
+    static = gpu_check.StaticDecoder
+
+    def decoder(model, batch, capacity, mode):
+        if model is models["full"]:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return static(model, batch, capacity=capacity, mode=mode)
+
+    @contextlib.contextmanager
+    def unlaunchable():
+        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+        yield
+
+    monkeypatch.setattr(gpu_check, "StaticDecoder", decoder)
+    monkeypatch.setattr(gpu_check, "phase1_in_one_kernel", unlaunchable)
+    decode = gpu_check.part_decode(gpu_check.SMOKE, lenient, models, "cpu")
+    for batch in gpu_check.DECODE_BATCHES:
+        assert set(decode[f"b{batch}"]["eager"]) == {"standard", "block", "full"}
+        assert set(decode[f"b{batch}"]["graphed"]) == {"standard", "block"}
+    assert set(decode["errors"]) == {f"b{b} {name}|graphed" for b in gpu_check.DECODE_BATCHES
+                                     for name in ("full", gpu_check.ONE_KERNEL)}
+    assert "stream is capturing" in decode["errors"]["b1 full|graphed"]
+
+    # compiled: Full's compile fails
+    steps = gpu_check.train_steps
+
+    def compiling(models, ids, device, compiled=False):
+        made = steps(models, ids, device, compiled)
+        made["full"] = lambda: (_ for _ in ()).throw(RuntimeError("InductorError: LoweringException"))
+        return made
+
+    monkeypatch.setattr(gpu_check, "train_steps", compiling)
+    compiled = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
+    assert set(compiled["ms"]) == set(compiled["compile_s"]) == {"standard", "block"}
+    assert set(compiled["errors"]) == {"full"} and "LoweringException" in compiled["errors"]["full"]
+
+
 def test_main_files_a_parts_piece_errors_and_dropped_models(monkeypatch, tmp_path):
     """A part's pieces that failed are filed under ``errors`` as ``part.piece`` (the summary
     names them), the models it dropped under ``skipped``."""
@@ -932,10 +996,10 @@ def test_the_compiled_part_compiles_each_model_only_while_one_more_compile_fits(
 
     steps = {name: compiling(name) for name in ("standard", "block", "full")}
     monkeypatch.setattr(gpu_check, "COMPILED_TIMING_S", 20)  # (kept for timing the compiled steps)
-    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=212.0))
+    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=212.0), {})
     assert list(kept) == ["standard", "block", "full"] and seconds == {"standard": 60, "block": 60, "full": 60}
     now[0], compiled[:] = 0.0, []
-    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=211.0))
+    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=211.0), {})
     assert compiled == ["standard", "block"] and list(kept) == ["standard", "block"]
     assert set(dropped) == {"full"} and "91 s to the deadline" in dropped["full"] and "92 s" in dropped["full"]
 
