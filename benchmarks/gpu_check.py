@@ -435,16 +435,26 @@ def sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: 
     """The operations at the launch settings of :data:`SWEEPS`: ``{name@setting=value: {us,
     x bound}}``, and first each at its default (``name@default``): each setting's time is
     held against the default's of the same part, minutes apart at most, not against the ops
-    part's (the card's clocks drift; a ``--continue`` runs it in another process)."""
-    result = {}
+    part's (the card's clocks drift; a ``--continue`` runs it in another process). A setting
+    that fails an operation (launched at a setting no default uses) is recorded under
+    ``errors`` as ``name@setting=value`` and the sweep goes on - up to a failure that left the
+    device unusable: the rows measured are returned, and the parts after it run in a fresh
+    process."""
+    result, errors = {}, {}
     for name in dict.fromkeys(n for _, names in SWEEPS.values() for n in names):
         t = clock.replayed(calls[name], z.op_repeats)
         result[f"{name}@default"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
+    result["errors"] = errors
     for setting, value, names in sweep_settings(device):
         with forced(setting, value):
             for name in names:
-                t = clock.replayed(calls[name], z.op_repeats)
-                result[f"{name}@{setting}={value}"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
+                key = f"{name}@{setting}={value}"
+                t = attempt(clock, errors, key, lambda name=name: clock.replayed(calls[name], z.op_repeats))
+                if t is None:
+                    if device_usable(device):
+                        continue
+                    return result
+                result[key] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
                 log(f"[gpu_check]   {name} at {setting}={value}: {t * 1e6:.1f} us")
     return result
 

@@ -396,6 +396,7 @@ def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatc
 
     bytes_ = dict.fromkeys(calls, 1e5)
     result = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, bytes_, 1e11)
+    assert result.pop("errors") == {}
     assert set(result) == {f"{n}@{s}={v}" for s, (values, names) in gpu_check.SWEEPS.items() for v in values
                            for n in names} | {f"{n}@default" for n in calls}
     unforced = dict.fromkeys(triton_impl.FORCED)
@@ -408,6 +409,42 @@ def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatc
     assert ("phase1_fwd", {**unforced, "block_d": 64}) in seen
     assert triton_impl.FORCED == unforced
     assert result["merge_fwd@merge_warps=4"]["x_bound"] == pytest.approx(1.0)
+
+
+def test_a_sweep_setting_that_fails_is_recorded_and_the_sweep_goes_on(monkeypatch):
+    """The sweep launches settings no default uses: one that fails an operation on the GPU
+    (Triton's "out of resources" at a forced pipeline depth) is recorded under the part's
+    ``errors`` as ``name@setting=value`` and the other rows are timed. A failure that left
+    the device unusable ends the sweep with the rows measured (the run then continues in a
+    fresh process); on the CPU (the smoke) it fails the part."""
+    pytest.importorskip("triton")
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    failing = ["merge_stages", 2]
+
+    def call():
+        if triton_impl.FORCED[failing[0]] == failing[1]:
+            raise RuntimeError("triton.runtime.errors.OutOfResources: out of resource: shared memory")
+
+    calls = {name: call for _, names in gpu_check.SWEEPS.values() for name in names}
+    bytes_ = dict.fromkeys(calls, 1e5)
+    clock = gpu_check.Clock("cuda", strict=False)
+    monkeypatch.setattr(clock, "replayed", lambda fn, repeats: (fn(), 1e-6)[1])
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)
+    result = gpu_check.sweep(gpu_check.SMOKE, clock, "cuda", calls, bytes_, 1e11)
+    failed = {f"{name}@merge_stages=2" for name in gpu_check.MERGES}
+    assert set(result["errors"]) == failed and "out of resource" in result["errors"]["merge_fwd@merge_stages=2"]
+    assert "merge_fwd@merge_stages=1" in result and not failed & set(result)
+    assert triton_impl.FORCED == dict.fromkeys(triton_impl.FORCED)
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    failing[:] = ["merge_warps", 16]
+    lost = gpu_check.sweep(gpu_check.SMOKE, clock, "cuda", calls, bytes_, 1e11)
+    assert set(lost.pop("errors")) == {"merge_fwd@merge_warps=16"}
+    assert "merge_bwd@merge_warps=4" in lost and not {k for k in lost if "merge_held" in k or "merge_stages" in k}
+    assert triton_impl.FORCED == dict.fromkeys(triton_impl.FORCED)
+    with pytest.raises(RuntimeError, match="shared memory"):
+        gpu_check.sweep(gpu_check.SMOKE, gpu_check.Clock("cpu"), "cuda", calls, bytes_, 1e11)
 
 
 def test_force_sets_a_launch_setting_for_the_run_and_refuses_what_it_cannot_take(monkeypatch, tmp_path):
@@ -1469,6 +1506,7 @@ def test_each_sweep_rows_setting_is_one_force_takes(monkeypatch):
 
     calls = {name: None for _, names in gpu_check.SWEEPS.values() for name in names}
     rows = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, dict.fromkeys(calls, 1e5), 1e11)
+    assert rows.pop("errors") == {}  # (the part's failed rows, filed by run_one_part)
     settings = {row.split("@", 1)[1] for row in rows} - {"default"}
     assert len(settings) == sum(len(values) for values, _ in gpu_check.SWEEPS.values())
     monkeypatch.setattr(triton_impl, "FORCED", dict.fromkeys(triton_impl.FORCED))
