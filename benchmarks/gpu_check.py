@@ -426,7 +426,8 @@ def phase1_in_one_kernel() -> Iterator[None]:
 
 def part_sweep(z: Sizes, clock: Clock, device: str) -> dict:
     """The operations of the ops part at the launch settings of :data:`SWEEPS` (a part of its
-    own: a fault at a setting no default uses costs the sweep, not the ops' rows)."""
+    own: a fault at a setting no default uses costs the sweep, not the ops' rows; a failed
+    row costs only itself, :func:`sweep`)."""
     peak = kernels_bench.peak_bandwidth()[0] if device == "cuda" else 1e11
     return sweep(z, clock, device, op_calls(z, device), op_bytes(z, 2 if device == "cuda" else 4), peak)
 
