@@ -1248,7 +1248,7 @@ def summarize(result: dict) -> dict:
     if SUMS_BF16 in result.get("train_eager", {}).get("ms", {}):
         eager_ms = result["train_eager"]["ms"]
         summary["block_bf16_sums"] = {**{k: v for k, v in by_variant(SUMS_BF16).items() if v is not None},
-                                      "block_vs_default": eager_ms[SUMS_BF16] / eager_ms["block"]}
+                                      "block_vs_default": ratio_of(eager_ms, SUMS_BF16, "block")}
     eager = result.get("train_eager", {})
     for key, variants in PAIRED.values():  # (Block against the standard model, both with the option)
         if set(variants) <= set(eager.get("ms", {})):
@@ -1256,11 +1256,11 @@ def summarize(result: dict) -> dict:
             summary[key] = {
                 "train_eager": eager["ms"][block] / eager["ms"][standard],
                 "memory": ratio_of(eager.get("peak_memory_MiB", {}), block, standard),
-                "standard_vs_default": eager["ms"][standard] / eager["ms"]["standard"],
-                "block_vs_default": eager["ms"][block] / eager["ms"]["block"],
+                "standard_vs_default": ratio_of(eager["ms"], standard, "standard"),
+                "block_vs_default": ratio_of(eager["ms"], block, "block"),
                 # (Block with the option against the standard model without it: the option as
                 # a way for Block to the target)
-                "block_vs_standard_default": eager["ms"][block] / eager["ms"]["standard"]}
+                "block_vs_standard_default": ratio_of(eager["ms"], block, "standard")}
     summary["met"] = {k: summary[k] is not None and summary[k] <= v for k, v in TARGETS.items() if k in summary}
     if "ops" in result:
         ops = result["ops"]

@@ -995,6 +995,20 @@ def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_t
     assert set(compiled["errors"]) == {"full"} and "LoweringException" in compiled["errors"]["full"]
 
 
+def test_the_summary_takes_an_eager_part_whose_default_steps_failed():
+    """A step that fails its first run is left out (:func:`gpu_check.runnable`), the default
+    ones too: the summary of the option's rows holds ``None`` where the default's row is
+    missing, rather than failing (``summary_failed``, every ratio lost)."""
+    import gpu_check
+
+    ms = {"standard (bf16 stream)": 2.0, "block (bf16 stream)": 2.1, "block (bf16 sums)": 1.1}
+    summary = gpu_check.summarize({"device": "GPU", "train_eager": {"ms": ms, "peak_memory_MiB": {}}})
+    assert summary["train_eager"] is None and summary["block_bf16_sums"]["block_vs_default"] is None
+    assert summary["autocast_stream"]["train_eager"] == pytest.approx(1.05)
+    assert summary["autocast_stream"]["block_vs_default"] is None
+    assert summary["autocast_stream"]["standard_vs_default"] is None
+
+
 def test_main_files_a_parts_piece_errors_and_dropped_models(monkeypatch, tmp_path):
     """A part's pieces that failed are filed under ``errors`` as ``part.piece`` (the summary
     names them), the models it dropped under ``skipped``."""
