@@ -688,6 +688,19 @@ def test_the_profiles_device_branch_reads_what_this_torch_profiler_gives(monkeyp
     assert len(result["top"]) == 2 and {"aten::relu", "aten::mm"} & {e["op"] for e in result["top"]}
 
 
+def _run_losing_the_device(monkeypatch, gpu_check, run_part, tmp_path) -> tuple[list[str], list]:
+    """``main`` of the smoke's profile, decode and profile_decode parts (``run_part``) with the
+    device lost after any failure and ``os.execv`` recorded: ``(its arguments, the execs)``."""
+    execs = []
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    monkeypatch.setattr(gpu_check.os, "execv", lambda path, command: execs.append(command))
+    argv = ["--out", str(tmp_path), "--cpu-smoke", "--budget", "300", "--parts", "profile,decode,profile_decode"]
+    assert gpu_check.main(argv) == 0
+    return argv, execs
+
+
 def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_process(monkeypatch, tmp_path):
     """A kernel's memory fault is sticky: every later CUDA call of the process fails. A part
     that raises and leaves the device unusable is recorded, the results are written, and the
@@ -696,7 +709,7 @@ def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_proce
     pytest.importorskip("triton")
     import gpu_check
 
-    ran, execs = [], []
+    ran = []
 
     def run_part(part, *args):
         ran.append(part)
@@ -704,12 +717,7 @@ def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_proce
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return {}  # (profile, decode, profile_decode: an empty result renders and summarises)
 
-    monkeypatch.setattr(gpu_check, "run_part", run_part)
-    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
-    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
-    monkeypatch.setattr(gpu_check.os, "execv", lambda path, command: execs.append(command))
-    argv = ["--out", str(tmp_path), "--cpu-smoke", "--budget", "300", "--parts", "profile,decode,profile_decode"]
-    assert gpu_check.main(argv) == 0
+    argv, execs = _run_losing_the_device(monkeypatch, gpu_check, run_part, tmp_path)
     assert ran == ["profile", "decode"] and len(execs) == 1
     command = execs[0]
     assert command[1].endswith("gpu_check.py") and command[2:2 + len(argv)] == argv
@@ -741,18 +749,13 @@ def test_a_piece_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_proc
     pytest.importorskip("triton")
     import gpu_check
 
-    ran, execs = [], []
+    ran = []
 
     def run_part(part, *args):
         ran.append(part)
         return {"errors": {"host": "CUDA error: an illegal memory access was encountered"}} if part == "profile" else {}
 
-    monkeypatch.setattr(gpu_check, "run_part", run_part)
-    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
-    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
-    monkeypatch.setattr(gpu_check.os, "execv", lambda path, command: execs.append(command))
-    argv = ["--out", str(tmp_path), "--cpu-smoke", "--budget", "300", "--parts", "profile,decode,profile_decode"]
-    assert gpu_check.main(argv) == 0
+    argv, execs = _run_losing_the_device(monkeypatch, gpu_check, run_part, tmp_path)
     assert ran == ["profile"] and len(execs) == 1
     assert gpu_check.parse_args(execs[0][2:]).parts == "decode,profile_decode"
     result = json.loads((tmp_path / "gpu_check.json").read_text())
