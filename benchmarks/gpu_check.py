@@ -972,6 +972,8 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
     else:
         steps = runnable(clock, errors, steps)
         forwards = {k: f for k, f in forwards.items() if k in steps}
+    for model in models.values():  # (a step that failed in its backward left the gradients it had made)
+        model.zero_grad(set_to_none=True)
     result["warm_up_s"] = time.perf_counter() - start
     result["ms"] = {k: t * 1e3 for k, t in clock.interleaved(steps, z.repeats).items()}
     if compiled:  # (where a compiled step's device time goes: one more step each, already compiled)

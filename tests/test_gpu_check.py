@@ -948,12 +948,22 @@ def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_t
     lenient = gpu_check.Clock("cpu", strict=False)
 
     def bf16_stream(model, on):
-        if on:
+        if on:  # (after a backward that made some gradients)
+            model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)
             raise RuntimeError("Triton Error [CUDA]: out of resources")
         return False
 
     monkeypatch.setitem(gpu_check.MODEL_OPTIONS, "autocast_stream", bf16_stream)
+    timed = lenient.interleaved
+    leftover = []  # (the gradients the timing starts with: a failed step's would be added to)
+
+    def interleaved(steps, repeats):
+        leftover.extend(p for m in models.values() for p in m.parameters() if p.grad is not None)
+        return timed(steps, repeats)
+
+    monkeypatch.setattr(lenient, "interleaved", interleaved)
     eager = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=False, paired=True)
+    assert not leftover
     stream = set(gpu_check.STREAM)
     assert {"standard", "block", "full", *gpu_check.NORM_OUT} <= set(eager["ms"]) and not stream & set(eager["ms"])
     assert set(eager["errors"]) == stream and "out of resources" in eager["errors"]["block (bf16 stream)"]
