@@ -81,7 +81,9 @@ The files are also written before the models are built (the card, the versions, 
 ``code.source_digest``, and the commit where there is a ``.git``) and before each part, naming
 it ``running``: a run killed by its time limit says where. A part's optional pieces (memory,
 profiles, host time) that fail are recorded as ``part.piece`` in ``errors``, its timings
-kept; the compiled part compiles each model only while one more compile fits the budget.
+kept, and so is a step that fails its first run (an option's, a graph's capture, a model's
+compile: :func:`runnable`), the part's other steps timed; the compiled part compiles each
+model only while one more compile fits the budget.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -234,9 +236,37 @@ def attempt(clock: Clock, errors: dict, name: str, fn, default=None):
     except Exception as e:  # noqa: BLE001 - recorded; the part's other results stand
         if clock.strict:
             raise
-        errors[name] = "".join(traceback.format_exception(e))[-3000:]
-        log(f"[gpu_check]   {name} FAILED (the part's other results kept):\n{errors[name]}")
+        record(errors, name, e)
         return default
+
+
+def record(errors: dict, name: str, e: Exception) -> None:
+    """``e``'s traceback as ``errors[name]``, and in the log."""
+    errors[name] = "".join(traceback.format_exception(e))[-3000:]
+    log(f"[gpu_check]   {name} FAILED (the part's other results kept):\n{errors[name]}")
+
+
+def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "") -> dict:
+    """The ``steps`` that run once (their warm-up) without raising, in order. One that raises
+    is left out, its traceback recorded as ``errors[prefix + name]``: a step no GPU has run
+    yet - an option's, Phase 1 in one kernel, a graph's capture - cannot lose the part's
+    other rows, the targets' among them. Raised where ``clock`` is strict (the smoke) or the
+    failure left the device unusable (the part fails; the parts after it run in a fresh
+    process)."""
+    device, kept = "cuda" if clock.cuda else "cpu", {}
+    for name, step in steps.items():
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - recorded; the other steps stand
+            if clock.strict or not device_usable(device):
+                raise
+            record(errors, prefix + name, e)
+        else:
+            kept[name] = step
+    if len(kept) < len(steps):  # (the failures' tracebacks held their tensors: an out-of-memory step's)
+        release_memory(device)
+    clock.sync()
+    return kept
 
 
 # -------------------------------------------------------------------------------------- the ops
@@ -396,7 +426,8 @@ def phase1_in_one_kernel() -> Iterator[None]:
 
 def part_sweep(z: Sizes, clock: Clock, device: str) -> dict:
     """The operations of the ops part at the launch settings of :data:`SWEEPS` (a part of its
-    own: a fault at a setting no default uses costs the sweep, not the ops' rows)."""
+    own: a fault at a setting no default uses costs the sweep, not the ops' rows; a failed
+    row costs only itself, :func:`sweep`)."""
     peak = kernels_bench.peak_bandwidth()[0] if device == "cuda" else 1e11
     return sweep(z, clock, device, op_calls(z, device), op_bytes(z, 2 if device == "cuda" else 4), peak)
 
@@ -405,16 +436,26 @@ def sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: 
     """The operations at the launch settings of :data:`SWEEPS`: ``{name@setting=value: {us,
     x bound}}``, and first each at its default (``name@default``): each setting's time is
     held against the default's of the same part, minutes apart at most, not against the ops
-    part's (the card's clocks drift; a ``--continue`` runs it in another process)."""
-    result = {}
+    part's (the card's clocks drift; a ``--continue`` runs it in another process). A setting
+    that fails an operation (launched at a setting no default uses) is recorded under
+    ``errors`` as ``name@setting=value`` and the sweep goes on - up to a failure that left the
+    device unusable: the rows measured are returned, and the parts after it run in a fresh
+    process."""
+    result, errors = {}, {}
     for name in dict.fromkeys(n for _, names in SWEEPS.values() for n in names):
         t = clock.replayed(calls[name], z.op_repeats)
         result[f"{name}@default"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
+    result["errors"] = errors
     for setting, value, names in sweep_settings(device):
         with forced(setting, value):
             for name in names:
-                t = clock.replayed(calls[name], z.op_repeats)
-                result[f"{name}@{setting}={value}"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
+                key = f"{name}@{setting}={value}"
+                t = attempt(clock, errors, key, lambda name=name: clock.replayed(calls[name], z.op_repeats))
+                if t is None:
+                    if device_usable(device):
+                        continue
+                    return result
+                result[key] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
                 log(f"[gpu_check]   {name} at {setting}={value}: {t * 1e6:.1f} us")
     return result
 
@@ -927,11 +968,12 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
     result = {"errors": errors}
     start = time.perf_counter()
     if compiled:  # (each model's first step compiles it: minutes, so each within the deadline)
-        steps, result["compile_s"], result["dropped"] = compile_within(steps, clock)
+        steps, result["compile_s"], result["dropped"] = compile_within(steps, clock, errors)
     else:
-        for step in steps.values():
-            step()
-        clock.sync()
+        steps = runnable(clock, errors, steps)
+        forwards = {k: f for k, f in forwards.items() if k in steps}
+    for model in models.values():  # (a step that failed in its backward left the gradients it had made)
+        model.zero_grad(set_to_none=True)
     result["warm_up_s"] = time.perf_counter() - start
     result["ms"] = {k: t * 1e3 for k, t in clock.interleaved(steps, z.repeats).items()}
     if compiled:  # (where a compiled step's device time goes: one more step each, already compiled)
@@ -954,13 +996,14 @@ COMPILE_S = 70
 COMPILED_TIMING_S = 20
 
 
-def compile_within(steps: dict, clock: Clock) -> tuple[dict, dict[str, float], dict[str, str]]:
+def compile_within(steps: dict, clock: Clock, errors: dict) -> tuple[dict, dict[str, float], dict[str, str]]:
     """Run each compiled step once (this compiles it), in order, while the time to the
     deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far)
     and the timing after it (:data:`COMPILED_TIMING_S`):
     ``(the compiled steps, {model: compile seconds}, {model dropped: why})``. The standard
     model comes first and Block second: a run short of time drops Full AttnRes, which has
-    no target, and says so, rather than being cut off by the command's time limit."""
+    no target, and says so, rather than being cut off by the command's time limit. A model
+    whose compile raises is left out, recorded in ``errors`` (:func:`runnable`)."""
     kept, seconds, dropped = {}, {}, {}
     for name, step in steps.items():
         need = max([COMPILE_S, *(1.2 * t for t in seconds.values())]) + COMPILED_TIMING_S
@@ -971,8 +1014,8 @@ def compile_within(steps: dict, clock: Clock) -> tuple[dict, dict[str, float], d
             log(f"[gpu_check]   {name}: {dropped[name]}")
             continue
         start = time.perf_counter()
-        step()
-        clock.sync()
+        if not runnable(clock, errors, {name: step}):
+            continue
         seconds[name] = time.perf_counter() - start
         log(f"[gpu_check]   {name} compiled in {seconds[name]:.0f} s")
         kept[name] = step
@@ -1040,17 +1083,68 @@ def weights_in(models: dict, dtype: torch.dtype) -> Iterator[None]:
             model.float()
 
 
-def loaded_caches(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str) -> tuple[KVCache, StaticDecoder]:
+def loaded_cache(model, batch: int, z: Sizes, device: str, dtype: torch.dtype) -> KVCache:
     """A dynamic cache holding a ``z.seq``-token context (random keys and values) for
-    ``model`` at ``batch``, and a :class:`StaticDecoder` in ``mode`` loaded with it."""
+    ``model`` at ``batch``."""
     cfg = model.config
     cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
     shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
     for layer in range(cfg.n_layers):
         cache.update(layer, torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype))
+    return cache
+
+
+def loaded_caches(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str) -> tuple[KVCache, StaticDecoder]:
+    """:func:`loaded_cache`, and a :class:`StaticDecoder` in ``mode`` loaded with it."""
+    cache = loaded_cache(model, batch, z, device, dtype)
     decoder = StaticDecoder(model, batch, capacity=z.seq + 1, mode=mode)
     decoder.load(cache)
     return cache, decoder
+
+
+def lazily(make, run):
+    """A step that makes what it runs on its first call, ``made = make()``, then runs
+    ``run(made)`` at each call: what it is made of - a cache, a captured graph - fails as
+    the step does (:func:`runnable`)."""
+    made = []
+
+    def step():
+        if not made:
+            made.append(make())
+        run(made[0])
+
+    return step
+
+
+def decode_steps(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str, tokens) -> dict:
+    """``model``'s decode step of ``tokens`` after a ``z.seq``-token context: ``eager`` (the
+    dynamic cache) and ``graphed`` (a :class:`StaticDecoder` in ``mode``), each making its
+    cache on its first call (:func:`lazily`)."""
+    def eager(cache):
+        decode_step(model, cache, tokens)
+        cache.crop(z.seq)
+
+    def graphed(decoder):
+        decoder.step(tokens)
+        decoder.rewind(z.seq)
+
+    return {"eager": lazily(lambda: loaded_cache(model, batch, z, device, dtype), eager),
+            "graphed": lazily(lambda: loaded_caches(model, batch, z, device, dtype, mode)[1], graphed)}
+
+
+def one_kernel_step(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str, tokens):
+    """Block's graphed step of :func:`decode_steps` with Phase 1's forward in one kernel
+    (:data:`ONE_KERNEL`): captured so (eager, each step so)."""
+    def make():
+        with phase1_in_one_kernel():
+            return loaded_caches(model, batch, z, device, dtype, mode)[1]
+
+    def run(decoder):
+        with phase1_in_one_kernel():
+            decoder.step(tokens)
+        decoder.rewind(z.seq)
+
+    return lazily(make, run)
 
 
 #: The graphed decode step's extra variant: Block AttnRes with Phase 1's forward in one
@@ -1070,37 +1164,23 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     kernel (:data:`ONE_KERNEL`)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
-    result = {}
+    result, errors = {}, {}
     with weights_in(models, dtype):
         for batch in DECODE_BATCHES:
             tokens = torch.randint(0, z.vocab, (batch,), device=device)
-            steps = {}
-            for name, model in models.items():
-                cache, decoder = loaded_caches(model, batch, z, device, dtype, static_mode)
-
-                def eager(model=model, cache=cache):
-                    decode_step(model, cache, tokens)
-                    cache.crop(z.seq)
-
-                def graphed(decoder=decoder):
-                    decoder.step(tokens)
-                    decoder.rewind(z.seq)
-
-                steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
+            steps = {f"{name}|{mode}": step for name, model in models.items()
+                     for mode, step in decode_steps(model, batch, z, device, dtype, static_mode, tokens).items()}
             if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
-                with phase1_in_one_kernel():  # (captured so; eager, each step so)
-                    _, one_kernel_decoder = loaded_caches(models["block"], batch, z, device, dtype, static_mode)
-
-                def one_kernel(decoder=one_kernel_decoder):
-                    with phase1_in_one_kernel():
-                        decoder.step(tokens)
-                    decoder.rewind(z.seq)
-
-                steps[f"{ONE_KERNEL}|graphed"] = one_kernel
+                steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype, static_mode,
+                                                                 tokens)
+            # (each step's cache made, its graph captured, at its first run: one that fails is
+            # recorded, the others timed)
+            steps = runnable(clock, errors, steps, prefix=f"b{batch} ")
             for key, t in clock.interleaved(steps, z.repeats).items():
                 name, mode = key.split("|")
                 result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
-            del steps, cache, decoder
+            del steps  # (and with them the caches and graphs, before the next batch's)
+    result["errors"] = errors
     return result
 
 
@@ -1170,7 +1250,7 @@ def summarize(result: dict) -> dict:
     if SUMS_BF16 in result.get("train_eager", {}).get("ms", {}):
         eager_ms = result["train_eager"]["ms"]
         summary["block_bf16_sums"] = {**{k: v for k, v in by_variant(SUMS_BF16).items() if v is not None},
-                                      "block_vs_default": eager_ms[SUMS_BF16] / eager_ms["block"]}
+                                      "block_vs_default": ratio_of(eager_ms, SUMS_BF16, "block")}
     eager = result.get("train_eager", {})
     for key, variants in PAIRED.values():  # (Block against the standard model, both with the option)
         if set(variants) <= set(eager.get("ms", {})):
@@ -1178,11 +1258,11 @@ def summarize(result: dict) -> dict:
             summary[key] = {
                 "train_eager": eager["ms"][block] / eager["ms"][standard],
                 "memory": ratio_of(eager.get("peak_memory_MiB", {}), block, standard),
-                "standard_vs_default": eager["ms"][standard] / eager["ms"]["standard"],
-                "block_vs_default": eager["ms"][block] / eager["ms"]["block"],
+                "standard_vs_default": ratio_of(eager["ms"], standard, "standard"),
+                "block_vs_default": ratio_of(eager["ms"], block, "block"),
                 # (Block with the option against the standard model without it: the option as
                 # a way for Block to the target)
-                "block_vs_standard_default": eager["ms"][block] / eager["ms"]["standard"]}
+                "block_vs_standard_default": ratio_of(eager["ms"], block, "standard")}
     summary["met"] = {k: summary[k] is not None and summary[k] <= v for k, v in TARGETS.items() if k in summary}
     if "ops" in result:
         ops = result["ops"]
@@ -1949,20 +2029,30 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
         result["errors"][part] = "".join(traceback.format_exception(e))[-4000:]
         log(f"[gpu_check] {part} FAILED:\n{result['errors'][part]}")
         if lost:
-            result["errors"][part] += (f"\n(the device's context was lost: the parts after {part}, if any, ran in "
-                                       "a fresh process)")
+            result["errors"][part] += lost_note(part)
     else:
         result[part] = part_result
-        for piece, trace in (part_result.pop("errors", None) or {}).items():
+        pieces = part_result.pop("errors", None) or {}
+        for piece, trace in pieces.items():
             result["errors"][f"{part}.{piece}"] = trace
         for name, why in (part_result.pop("dropped", None) or {}).items():
             result["skipped"][f"{part} {name}"] = why
+        # (a piece's failure can lose the device as a part's can: the part's timings are kept,
+        # the parts after it run in a fresh process - in this one each would fail)
+        lost = bool(pieces) and not device_usable(device)
+        if lost:
+            result["errors"][f"{part}.{list(pieces)[-1]}"] += lost_note(part)
     if failed and not lost:  # (the failure's traceback held its tensors: give their memory back)
         release_memory(device)
     result.pop("running", None)
     result["elapsed_s"] = spent_before + time.perf_counter() - start
     print(write(out, result, clock.strict), flush=True)
     return lost
+
+
+def lost_note(part: str) -> str:
+    """What a failure's traceback adds where it left the device unusable."""
+    return f"\n(the device's context was lost: the parts after {part}, if any, ran in a fresh process)"
 
 
 def forget_earlier(result: dict, part: str) -> None:

@@ -396,6 +396,7 @@ def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatc
 
     bytes_ = dict.fromkeys(calls, 1e5)
     result = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, bytes_, 1e11)
+    assert result.pop("errors") == {}
     assert set(result) == {f"{n}@{s}={v}" for s, (values, names) in gpu_check.SWEEPS.items() for v in values
                            for n in names} | {f"{n}@default" for n in calls}
     unforced = dict.fromkeys(triton_impl.FORCED)
@@ -408,6 +409,42 @@ def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatc
     assert ("phase1_fwd", {**unforced, "block_d": 64}) in seen
     assert triton_impl.FORCED == unforced
     assert result["merge_fwd@merge_warps=4"]["x_bound"] == pytest.approx(1.0)
+
+
+def test_a_sweep_setting_that_fails_is_recorded_and_the_sweep_goes_on(monkeypatch):
+    """The sweep launches settings no default uses: one that fails an operation on the GPU
+    (Triton's "out of resources" at a forced pipeline depth) is recorded under the part's
+    ``errors`` as ``name@setting=value`` and the other rows are timed. A failure that left
+    the device unusable ends the sweep with the rows measured (the run then continues in a
+    fresh process); on the CPU (the smoke) it fails the part."""
+    pytest.importorskip("triton")
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    failing = ["merge_stages", 2]
+
+    def call():
+        if triton_impl.FORCED[failing[0]] == failing[1]:
+            raise RuntimeError("triton.runtime.errors.OutOfResources: out of resource: shared memory")
+
+    calls = {name: call for _, names in gpu_check.SWEEPS.values() for name in names}
+    bytes_ = dict.fromkeys(calls, 1e5)
+    clock = gpu_check.Clock("cuda", strict=False)
+    monkeypatch.setattr(clock, "replayed", lambda fn, repeats: (fn(), 1e-6)[1])
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)
+    result = gpu_check.sweep(gpu_check.SMOKE, clock, "cuda", calls, bytes_, 1e11)
+    failed = {f"{name}@merge_stages=2" for name in gpu_check.MERGES}
+    assert set(result["errors"]) == failed and "out of resource" in result["errors"]["merge_fwd@merge_stages=2"]
+    assert "merge_fwd@merge_stages=1" in result and not failed & set(result)
+    assert triton_impl.FORCED == dict.fromkeys(triton_impl.FORCED)
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    failing[:] = ["merge_warps", 16]
+    lost = gpu_check.sweep(gpu_check.SMOKE, clock, "cuda", calls, bytes_, 1e11)
+    assert set(lost.pop("errors")) == {"merge_fwd@merge_warps=16"}
+    assert "merge_bwd@merge_warps=4" in lost and not {k for k in lost if "merge_held" in k or "merge_stages" in k}
+    assert triton_impl.FORCED == dict.fromkeys(triton_impl.FORCED)
+    with pytest.raises(RuntimeError, match="shared memory"):
+        gpu_check.sweep(gpu_check.SMOKE, gpu_check.Clock("cpu"), "cuda", calls, bytes_, 1e11)
 
 
 def test_force_sets_a_launch_setting_for_the_run_and_refuses_what_it_cannot_take(monkeypatch, tmp_path):
@@ -651,6 +688,19 @@ def test_the_profiles_device_branch_reads_what_this_torch_profiler_gives(monkeyp
     assert len(result["top"]) == 2 and {"aten::relu", "aten::mm"} & {e["op"] for e in result["top"]}
 
 
+def _run_losing_the_device(monkeypatch, gpu_check, run_part, tmp_path) -> tuple[list[str], list]:
+    """``main`` of the smoke's profile, decode and profile_decode parts (``run_part``) with the
+    device lost after any failure and ``os.execv`` recorded: ``(its arguments, the execs)``."""
+    execs = []
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    monkeypatch.setattr(gpu_check.os, "execv", lambda path, command: execs.append(command))
+    argv = ["--out", str(tmp_path), "--cpu-smoke", "--budget", "300", "--parts", "profile,decode,profile_decode"]
+    assert gpu_check.main(argv) == 0
+    return argv, execs
+
+
 def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_process(monkeypatch, tmp_path):
     """A kernel's memory fault is sticky: every later CUDA call of the process fails. A part
     that raises and leaves the device unusable is recorded, the results are written, and the
@@ -659,7 +709,7 @@ def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_proce
     pytest.importorskip("triton")
     import gpu_check
 
-    ran, execs = [], []
+    ran = []
 
     def run_part(part, *args):
         ran.append(part)
@@ -667,12 +717,7 @@ def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_proce
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return {}  # (profile, decode, profile_decode: an empty result renders and summarises)
 
-    monkeypatch.setattr(gpu_check, "run_part", run_part)
-    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
-    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
-    monkeypatch.setattr(gpu_check.os, "execv", lambda path, command: execs.append(command))
-    argv = ["--out", str(tmp_path), "--cpu-smoke", "--budget", "300", "--parts", "profile,decode,profile_decode"]
-    assert gpu_check.main(argv) == 0
+    argv, execs = _run_losing_the_device(monkeypatch, gpu_check, run_part, tmp_path)
     assert ran == ["profile", "decode"] and len(execs) == 1
     command = execs[0]
     assert command[1].endswith("gpu_check.py") and command[2:2 + len(argv)] == argv
@@ -694,6 +739,32 @@ def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_proce
     assert "Continued by another process (`--continue`): profile_decode" in (tmp_path / "gpu_check.md").read_text()
     # nothing to continue: refused, naming the file
     assert gpu_check.main(["--out", str(tmp_path / "none"), "--cpu-smoke", "--continue"]) == 2
+
+
+def test_a_piece_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_process(monkeypatch, tmp_path):
+    """A part's optional piece (its memory, a profile, the host time) is recorded where it
+    raises, and the part's timings kept; a memory fault there is as sticky as anywhere, so
+    where the device is unusable after the part, its results are written and the parts
+    after it run in a fresh process - in this one each failed in turn."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    ran = []
+
+    def run_part(part, *args):
+        ran.append(part)
+        return {"errors": {"host": "CUDA error: an illegal memory access was encountered"}} if part == "profile" else {}
+
+    argv, execs = _run_losing_the_device(monkeypatch, gpu_check, run_part, tmp_path)
+    assert ran == ["profile"] and len(execs) == 1
+    assert gpu_check.parse_args(execs[0][2:]).parts == "decode,profile_decode"
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["profile"] == {} and "context was lost" in result["errors"]["profile.host"]
+    # (a piece that failed with the device still usable: the run goes on in this process)
+    ran.clear()
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)
+    assert gpu_check.main([*argv[:-1], "profile,decode"]) == 0
+    assert ran == ["profile", "decode"] and len(execs) == 1
 
 
 def test_a_failing_part_of_the_smoke_raises(monkeypatch, tmp_path):
@@ -739,6 +810,7 @@ def _fake_gpu(monkeypatch, gpu_check, run_part=lambda part, *args: {}):
     monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: {})
     monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
     monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)  # (its synchronize would fail here)
 
 
 def test_a_run_names_the_part_it_is_in_so_that_one_killed_by_its_time_limit_says_where(monkeypatch, tmp_path):
@@ -862,6 +934,94 @@ def test_a_parts_optional_piece_that_fails_keeps_the_parts_timings(monkeypatch):
     assert gpu_check.summarize(result)["memory"] is None and "## train_eager" in gpu_check.render(result)
 
 
+def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_timed(monkeypatch):
+    """The parts' steps that no GPU has run yet - the eager part's options (the stream in
+    bf16), a decode graph's capture, Phase 1 in one kernel, a model's compile - are run once
+    each before the timing: one that raises on the GPU is recorded under the part's
+    ``errors`` and left out, and the others - the targets' among them - are timed; on the
+    CPU (the smoke) it fails the part."""
+    import contextlib
+
+    import gpu_check
+
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    lenient = gpu_check.Clock("cpu", strict=False)
+
+    def bf16_stream(model, on):
+        if on:  # (after a backward that made some gradients)
+            model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)
+            raise RuntimeError("Triton Error [CUDA]: out of resources")
+        return False
+
+    monkeypatch.setitem(gpu_check.MODEL_OPTIONS, "autocast_stream", bf16_stream)
+    timed = lenient.interleaved
+    leftover = []  # (the gradients the timing starts with: a failed step's would be added to)
+
+    def interleaved(steps, repeats):
+        leftover.extend(p for m in models.values() for p in m.parameters() if p.grad is not None)
+        return timed(steps, repeats)
+
+    monkeypatch.setattr(lenient, "interleaved", interleaved)
+    eager = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=False, paired=True)
+    assert not leftover
+    stream = set(gpu_check.STREAM)
+    assert {"standard", "block", "full", *gpu_check.NORM_OUT} <= set(eager["ms"]) and not stream & set(eager["ms"])
+    assert set(eager["errors"]) == stream and "out of resources" in eager["errors"]["block (bf16 stream)"]
+    assert set(eager["peak_memory_MiB"]) == set(eager["kept_MiB"]) == set(eager["ms"])
+    with pytest.raises(RuntimeError, match="out of resources"):
+        gpu_check.part_train(gpu_check.SMOKE, gpu_check.Clock("cpu"), models, "cpu", compiled=False, paired=True)
+
+    # decode: Full's graph capture and Block's step with Phase 1 in one kernel fail
+    static = gpu_check.StaticDecoder
+
+    def decoder(model, batch, capacity, mode):
+        if model is models["full"]:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return static(model, batch, capacity=capacity, mode=mode)
+
+    @contextlib.contextmanager
+    def unlaunchable():
+        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+        yield
+
+    monkeypatch.setattr(gpu_check, "StaticDecoder", decoder)
+    monkeypatch.setattr(gpu_check, "phase1_in_one_kernel", unlaunchable)
+    decode = gpu_check.part_decode(gpu_check.SMOKE, lenient, models, "cpu")
+    for batch in gpu_check.DECODE_BATCHES:
+        assert set(decode[f"b{batch}"]["eager"]) == {"standard", "block", "full"}
+        assert set(decode[f"b{batch}"]["graphed"]) == {"standard", "block"}
+    assert set(decode["errors"]) == {f"b{b} {name}|graphed" for b in gpu_check.DECODE_BATCHES
+                                     for name in ("full", gpu_check.ONE_KERNEL)}
+    assert "stream is capturing" in decode["errors"]["b1 full|graphed"]
+
+    # compiled: Full's compile fails
+    steps = gpu_check.train_steps
+
+    def compiling(models, ids, device, compiled=False):
+        made = steps(models, ids, device, compiled)
+        made["full"] = lambda: (_ for _ in ()).throw(RuntimeError("InductorError: LoweringException"))
+        return made
+
+    monkeypatch.setattr(gpu_check, "train_steps", compiling)
+    compiled = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
+    assert set(compiled["ms"]) == set(compiled["compile_s"]) == {"standard", "block"}
+    assert set(compiled["errors"]) == {"full"} and "LoweringException" in compiled["errors"]["full"]
+
+
+def test_the_summary_takes_an_eager_part_whose_default_steps_failed():
+    """A step that fails its first run is left out (:func:`gpu_check.runnable`), the default
+    ones too: the summary of the option's rows holds ``None`` where the default's row is
+    missing, rather than failing (``summary_failed``, every ratio lost)."""
+    import gpu_check
+
+    ms = {"standard (bf16 stream)": 2.0, "block (bf16 stream)": 2.1, "block (bf16 sums)": 1.1}
+    summary = gpu_check.summarize({"device": "GPU", "train_eager": {"ms": ms, "peak_memory_MiB": {}}})
+    assert summary["train_eager"] is None and summary["block_bf16_sums"]["block_vs_default"] is None
+    assert summary["autocast_stream"]["train_eager"] == pytest.approx(1.05)
+    assert summary["autocast_stream"]["block_vs_default"] is None
+    assert summary["autocast_stream"]["standard_vs_default"] is None
+
+
 def test_main_files_a_parts_piece_errors_and_dropped_models(monkeypatch, tmp_path):
     """A part's pieces that failed are filed under ``errors`` as ``part.piece`` (the summary
     names them), the models it dropped under ``skipped``."""
@@ -900,10 +1060,10 @@ def test_the_compiled_part_compiles_each_model_only_while_one_more_compile_fits(
 
     steps = {name: compiling(name) for name in ("standard", "block", "full")}
     monkeypatch.setattr(gpu_check, "COMPILED_TIMING_S", 20)  # (kept for timing the compiled steps)
-    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=212.0))
+    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=212.0), {})
     assert list(kept) == ["standard", "block", "full"] and seconds == {"standard": 60, "block": 60, "full": 60}
     now[0], compiled[:] = 0.0, []
-    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=211.0))
+    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=211.0), {})
     assert compiled == ["standard", "block"] and list(kept) == ["standard", "block"]
     assert set(dropped) == {"full"} and "91 s to the deadline" in dropped["full"] and "92 s" in dropped["full"]
 
@@ -1373,6 +1533,7 @@ def test_each_sweep_rows_setting_is_one_force_takes(monkeypatch):
 
     calls = {name: None for _, names in gpu_check.SWEEPS.values() for name in names}
     rows = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, dict.fromkeys(calls, 1e5), 1e11)
+    assert rows.pop("errors") == {}  # (the part's failed rows, filed by run_one_part)
     settings = {row.split("@", 1)[1] for row in rows} - {"default"}
     assert len(settings) == sum(len(values) for values, _ in gpu_check.SWEEPS.values())
     monkeypatch.setattr(triton_impl, "FORCED", dict.fromkeys(triton_impl.FORCED))
