@@ -750,6 +750,34 @@ def test_a_checkpoint_of_a_users_module_around_the_model_loads_whatever_part_of_
     assert torch.equal(into(ids), logits)
 
 
+class _Keeper(torch.nn.Module):
+    """A user's module that keeps the model it adapts as its own ``_orig_mod`` attribute (not
+    ``torch.compile``'s wrapper), with a weight of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._orig_mod, self.scale = tiny_model(), torch.nn.Parameter(torch.ones(()))
+
+
+def test_a_users_module_with_an_attribute_named_orig_mod_is_not_taken_for_a_compiled_one(tmp_path):
+    """Any module with an ``_orig_mod`` attribute was taken for ``torch.compile``'s wrapper and
+    the attribute for the whole module: ``save_checkpoint`` writes all of its weights (the
+    names without ``_orig_mod.``), yet ``load_checkpoint`` loaded into the attribute alone
+    ("does not fit the model: ... unexpected ['scale']"), and ``generate`` took the module for
+    the model it holds. Only the wrapper is unwrapped."""
+    from attnres.checkpoint import load_checkpoint, save_checkpoint
+    from attnres.nn.compiled import uncompiled
+
+    keeper = _Keeper()
+    with torch.no_grad():
+        keeper.scale.fill_(3.0)
+    path = save_checkpoint(tmp_path / "a", 1, keeper, torch.optim.AdamW(keeper.parameters()), {}, keep=1)
+    into = _Keeper()
+    load_checkpoint(path, into, restore_rng=False)
+    assert into.scale.item() == 3.0
+    assert uncompiled(keeper) is keeper and uncompiled(torch.compile(keeper)) is keeper
+
+
 def test_a_checkpoint_of_untied_weights_does_not_load_into_a_tied_model_nor_hide_a_missing_weight(tmp_path):
     """A tied weight is stored once and its other names are filled by the tie; since the
     loaders share ``load_weights`` a tie was told by ``data_ptr()``: a checkpoint of an untied
