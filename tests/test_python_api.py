@@ -750,6 +750,79 @@ def test_a_checkpoint_of_a_users_module_around_the_model_loads_whatever_part_of_
     assert torch.equal(into(ids), logits)
 
 
+class _Keeper(torch.nn.Module):
+    """A user's module that keeps the model it adapts as its own ``_orig_mod`` attribute (not
+    ``torch.compile``'s wrapper), with a weight of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._orig_mod, self.scale = tiny_model(), torch.nn.Parameter(torch.ones(()))
+
+
+def test_a_users_module_with_an_attribute_named_orig_mod_is_not_taken_for_a_compiled_one(tmp_path):
+    """Any module with an ``_orig_mod`` attribute was taken for ``torch.compile``'s wrapper and
+    the attribute for the whole module: ``save_checkpoint`` writes all of its weights (the
+    names without ``_orig_mod.``), yet ``load_checkpoint`` loaded into the attribute alone
+    ("does not fit the model: ... unexpected ['scale']"), and ``generate`` took the module for
+    the model it holds. Only the wrapper is unwrapped."""
+    from attnres.checkpoint import load_checkpoint, save_checkpoint
+    from attnres.nn.compiled import uncompiled
+
+    keeper = _Keeper()
+    with torch.no_grad():
+        keeper.scale.fill_(3.0)
+    path = save_checkpoint(tmp_path / "a", 1, keeper, torch.optim.AdamW(keeper.parameters()), {}, keep=1)
+    into = _Keeper()
+    load_checkpoint(path, into, restore_rng=False)
+    assert into.scale.item() == 3.0
+    assert uncompiled(keeper) is keeper and uncompiled(torch.compile(keeper)) is keeper
+
+
+def test_a_checkpoint_of_untied_weights_does_not_load_into_a_tied_model_nor_hide_a_missing_weight(tmp_path):
+    """A tied weight is stored once and its other names are filled by the tie; since the
+    loaders share ``load_weights`` a tie was told by ``data_ptr()``: a checkpoint of an untied
+    model (the embedding and the LM head apart) loaded into a tied one without a word, the
+    LM head's values over the embedding's (safetensors' ``load_model`` refused it); and on the
+    meta device, or for an empty tensor, every ``data_ptr()`` is 0, so a weight the checkpoint
+    lacks counted as filled by a tie. Both say what does not fit."""
+    import warnings
+
+    from attnres.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_checkpoint
+
+    untied = tiny_model()
+    adam = torch.optim.AdamW(untied.parameters())
+    path = save_checkpoint(tmp_path / "a", 1, untied, adam, {}, keep=1)
+    with pytest.raises(CheckpointError, match=r"does not fit the model: missing \[\], unexpected \[\], tied here but "
+                                              r"apart in the checkpoint \[\['embed_tokens.weight', 'lm_head.weight'\]\]"):
+        load_checkpoint(path, tiny_model(tie_embeddings=True), restore_rng=False)
+    tied = tiny_model(tie_embeddings=True)  # (stored once: loads, the tie filling the other name)
+    path = save_checkpoint(tmp_path / "b", 1, tied, torch.optim.AdamW(tied.parameters()), {}, keep=1)
+    into = tiny_model(tie_embeddings=True)
+    with torch.no_grad():
+        into.lm_head.weight.zero_()
+    load_checkpoint(path, into, restore_rng=False)
+    assert torch.equal(into.lm_head.weight, tied.embed_tokens.weight) and into.lm_head.weight is into.embed_tokens.weight
+    weights = {k: v for k, v in untied.state_dict().items() if k != "norm.weight"}
+    path = write_checkpoint(tmp_path / "c", 1, weights, adam.state_dict(), {}, keep=1)
+    with torch.device("meta"):
+        meta = tiny_model()
+    with warnings.catch_warnings(), pytest.raises(CheckpointError, match=r"missing \['norm.weight'\], unexpected \[\]$"):
+        warnings.simplefilter("ignore")  # (copying into a meta parameter is a no-op, with a warning)
+        load_checkpoint(path, meta, restore_rng=False)
+
+    def with_empty(model):  # (two empty buffers: neither is the other's tie)
+        model.register_buffer("empty_a", torch.zeros(0))
+        model.register_buffer("empty_b", torch.zeros(0))
+        return model
+
+    path = save_checkpoint(tmp_path / "d", 1, with_empty(untied), adam, {}, keep=1)
+    load_checkpoint(path, with_empty(tiny_model()), restore_rng=False)  # (each stored: the model loads)
+    weights = {k: v for k, v in untied.state_dict().items() if k != "empty_b"}
+    path = write_checkpoint(tmp_path / "e", 1, weights, adam.state_dict(), {}, keep=1)
+    with pytest.raises(CheckpointError, match=r"missing \['empty_b'\], unexpected \[\]$"):
+        load_checkpoint(path, with_empty(tiny_model()), restore_rng=False)
+
+
 def test_the_standard_residual_given_another_variants_option_names_itself():
     """Swapping the baseline into one's own model, ``BlockAttnRes(d, L, block_size=2)`` ->
     ``StandardResidual(d, L, block_size=2)``, was refused naming another class:

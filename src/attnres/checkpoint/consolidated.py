@@ -41,7 +41,7 @@ from .manifest import (
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
-from .module import load_weights
+from .module import load_weights, weight_key
 from .residual import refuse_residual_change
 from ..nn.compiled import uncompiled, uncompiled_name
 from ..validation import check_path_argument
@@ -75,11 +75,12 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
 
 def _unique_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``model_state`` without the keys whose tensor shares memory with an earlier one (tied
-    weights): safetensors stores each tensor once, and ``load_model`` restores the tie."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    weights, :func:`~attnres.checkpoint.module.weight_key`): safetensors stores each tensor
+    once, and ``load_weights`` restores the tie."""
+    seen: set[object] = set()
     out = {}
     for name, t in model_state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        key = weight_key(t)
         if key not in seen:
             seen.add(key)
             out[name] = t.detach().cpu().contiguous()

@@ -7,6 +7,8 @@ checkpoint loaders (``attnres.checkpoint.module``) and the model's own ``load_st
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 __all__ = ["COMPILED_PREFIX", "uncompiled", "uncompiled_name"]
@@ -19,8 +21,16 @@ COMPILED_PREFIX = _ORIGINAL + "."
 
 def uncompiled(model: nn.Module) -> nn.Module:
     """``model``, or for a ``torch.compile``'d one its original module (the same parameters,
-    under their own names)."""
-    return getattr(model, _ORIGINAL, model)
+    under their own names). The wrapper's class, not the attribute, tells it: a module of the
+    user's may hold something as ``_orig_mod`` of its own (its weights are all its own)."""
+    return getattr(model, _ORIGINAL) if _is_compiled(model) else model
+
+
+def _is_compiled(model: object) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper (``OptimizedModule``): none is made
+    before ``torch._dynamo`` is imported, which is left to ``torch.compile`` (seconds)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 def uncompiled_name(name: str) -> str:
