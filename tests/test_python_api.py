@@ -833,3 +833,21 @@ def test_the_standard_residual_given_another_variants_option_names_itself():
                                         r"'block_size'$"):
         StandardResidual(64, 8, block_size=2)
     assert StandardResidual(64, 8).n_sublayers == 8
+
+
+def test_two_weights_one_name_without_orig_mod_are_refused_at_save(tmp_path):
+    """A checkpoint names weights without ``torch.compile``'s ``_orig_mod.``: a module holding
+    both ``w`` and ``_orig_mod.w`` (its own attribute so named) stored one over the other
+    without a word. The save is refused, naming both."""
+    from attnres.checkpoint import save_checkpoint
+
+    class Both(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._orig_mod = torch.nn.Linear(2, 2)
+            self.weight = torch.nn.Parameter(torch.ones(2, 2))
+
+    both = Both()
+    with pytest.raises(ValueError, match=r"'weight' and '_orig_mod.weight' are both stored as 'weight'"):
+        save_checkpoint(tmp_path / "a", 1, both, torch.optim.SGD(both.parameters(), lr=0.1), {}, keep=1)
+    assert not (tmp_path / "a").exists()  # (refused before anything is written)

@@ -73,6 +73,20 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     return {"state": state, "param_groups": groups}
 
 
+def _own_names(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model_state`` under its weights' own names (:func:`~attnres.nn.compiled.uncompiled_name`),
+    or ``ValueError`` where two names are one without ``_orig_mod.`` (a module holding both
+    ``x.w`` and ``x._orig_mod.w``): one would have been stored over the other."""
+    own: dict[str, str] = {}
+    for name in model_state:
+        taken = own.setdefault(uncompiled_name(name), name)
+        if taken != name:
+            raise ValueError(f"write_checkpoint: the weights {taken!r} and {name!r} are both stored as "
+                             f"{uncompiled_name(name)!r} (a checkpoint names weights without torch.compile's "
+                             "'_orig_mod.'): rename the module attribute called '_orig_mod'")
+    return {own_name: model_state[name] for own_name, name in own.items()}
+
+
 def _unique_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``model_state`` without the keys whose tensor shares memory with an earlier one (tied
     weights, :func:`~attnres.checkpoint.module.weight_key`): safetensors stores each tensor
@@ -110,13 +124,14 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
     if reserved or any(Path(name).name != name for name in extra):
         raise ValueError(f"checkpoint files must be plain names other than the checkpoint's own; got {sorted(extra)}")
+    model_state = _own_names(model_state)
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(_unique_tensors({uncompiled_name(k): v for k, v in model_state.items()}), str(tmp / MODEL_FILE))
+        save_file(_unique_tensors(model_state), str(tmp / MODEL_FILE))
         opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
         save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
         save_file(rng_state(), str(tmp / RNG_FILE))
