@@ -597,6 +597,19 @@ def test_uniform_weights_are_not_set_against_the_bounds_of_learnt_queries():
     assert uniform_weights(depth_mixing_matrix(model("attnres_full", n_layers=2), ids()))
 
 
+def test_the_rank_table_says_where_report_6_2_states_no_rank():
+    """DenseFormer's row of `attnres analyze`'s rank table (and a residual of the user's own in a
+    compare grid) had an empty "report §6.2" cell, read as a value left out by mistake."""
+    from attnres.analysis.mixing_report import rank_expectation, rank_table
+
+    for kind, streams in (("denseformer", None), ("scaled", None), ("hyper_connections", None)):
+        words, low, high = rank_expectation(kind, 8, n_streams=streams)
+        assert (low, high) == (None, None) and words.startswith("none stated (report §6.2 derives"), kind
+    row = rank_table([("DenseFormer", [depth_mixing_matrix(model("denseformer"), ids())],
+                       rank_expectation("denseformer", 6)[0])]).splitlines()[-1]
+    assert row.rstrip(" |").endswith("Highway, (m)HC and AttnRes)")
+
+
 def test_the_sink_table_says_which_sources_it_leaves_out():
     """It showed v0 and each seed's top 4 with no word of the others: of the standard
     residual's 7 sources, v0-v3 (ties) and nothing about v4-v6."""

@@ -86,7 +86,8 @@ def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = N
             return f"between N = {N} and N + S = {N + S} (report §6.2{cap})", N, high
         return (f"≤ N + S = {N + S}{cap}; the lower bound N = {N} may fail when S < N - 1 (here S = {S}; "
                 f"it held in our tests whenever S ≥ N - 1)", None, high)
-    return "", None, None
+    # (DenseFormer, a residual of the user's own: an empty cell read as a value left out by mistake)
+    return "none stated (report §6.2 derives the rank of the standard residual, Highway, (m)HC and AttnRes)", None, None
 
 
 def uniform_weights(result: DepthMixing, tol: float = 1e-6) -> bool:
