@@ -1208,7 +1208,13 @@ def test_a_grid_is_not_written_into_a_run_or_over_a_report_it_did_not_write(corp
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "report.md").write_text("mine")
+    upcycled = tmp_path / "upcycled"  # (was called "a training run's directory (it holds config.json)")
+    upcycled.mkdir()
+    (upcycled / "config.json").write_text("{}")
+    (upcycled / "model.safetensors").write_bytes(b"")
     for out, what in ((run, r"a training run's directory \(it holds config.json\)"),
+                      (upcycled, r"a Hugging Face model directory \(config.json and its weights: an upcycle, an "
+                                 r"export\), which the grid's runs and report would mix with"),
                       (notes, r"a folder with a report.md that no experiment wrote \(no experiment.json\)")):
         for extra in ([], ["--report-only"]):
             with pytest.raises(SystemExit, match=rf"attnres compare: error: --out '.*' is {what}.*pick another --out"):
