@@ -1343,6 +1343,28 @@ def test_upcycle_into_a_training_run_is_refused_before_the_model_loads(tmp_path,
     assert (tmp_path / "run" / "config.json").read_text() == "{}"
 
 
+def test_upcycle_and_export_into_a_grid_folder_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """`attnres upcycle --out runs/compare` wrote the model beside the grid's experiment.json and
+    report.md; `attnres analyze runs/compare` then analysed the upcycle instead of naming the
+    grid's runs. Export's --out is checked by the same function."""
+    from attnres.checkpoint.locate import refuse_training_output
+    from attnres.cli import main as cli_main
+    from attnres.hf.upcycle import io
+    from attnres.output_paths import OutputPathError
+
+    monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    grid = tmp_path / "compare"
+    grid.mkdir()
+    (grid / "experiment.json").write_text('{"experiment": "compare", "preset": "tiny", "overrides": []}')
+    with pytest.raises(SystemExit, match=r"--out .*compare' holds an experiment grid \(experiment.json\): .*"
+                                         r"pick another directory"):
+        cli_main(["upcycle", "--model", "smollm2", "--out", str(grid)])
+    with pytest.raises(OutputPathError, match="holds an experiment grid"):
+        refuse_training_output(grid)
+    assert sorted(p.name for p in grid.iterdir()) == ["experiment.json"]
+    refuse_training_output(tmp_path / "new")  # (a folder of its own: fine)
+
+
 def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     """It wrote the AttnRes model over the pretrained one (config.json, model.safetensors)."""
     from attnres.cli import main as cli_main

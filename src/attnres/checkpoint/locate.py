@@ -101,6 +101,8 @@ RUN_LOG = "metrics.jsonl"
 #: What a grid writes in a run's directory once the run has finished (``attnres.experiments.layout``'s
 #: ``RESULT_FILE``; named here, as that package builds on this one).
 GRID_RUN_RECORD = "result.json"
+#: What a grid writes in its ``--out`` (``attnres.experiments.layout``'s ``EXPERIMENT_FILE``).
+GRID_FILE = "experiment.json"
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -207,13 +209,17 @@ def refuse_training_output(path: str | Path) -> None:
     """Raise :class:`~attnres.output_paths.OutputPathError` when ``path`` is a training run's
     directory or one of its checkpoints (:func:`training_output`): a command writing a Hugging
     Face directory there would replace the run's ``config.json``, which ``--resume``,
-    ``analyze`` and the experiment reports read."""
+    ``analyze`` and the experiment reports read; or a grid's folder (its ``experiment.json``)."""
     found = training_output(path)
     if found is not None:
         harm = "put the model's files among its checkpoints" if found.startswith("the checkpoints/") else \
             "replace its config.json"
         raise OutputPathError(f"--out {str(path)!r} is {found}: a Hugging Face directory written there would "
                               f"{harm}; pick another directory")
+    if (Path(path) / GRID_FILE).is_file():  # (its runs' files are safe, but the folder became the model's)
+        raise OutputPathError(f"--out {str(path)!r} holds an experiment grid ({GRID_FILE}): a Hugging Face directory "
+                              "written there would mix the model's files with the grid's, and `attnres analyze` of "
+                              "the folder would read the model instead of naming its runs; pick another directory")
 
 
 def refuse_loading_training_output(path: str | Path) -> None:
