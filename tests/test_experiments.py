@@ -1348,6 +1348,22 @@ def test_a_misspelt_override_of_a_new_grid_is_said_as_the_grids_not_its_first_va
         run_config(exp, broken, 0, tmp_path / "run", ["steps=10"])
 
 
+def test_an_override_of_what_the_variants_set_names_their_values_and_the_way_to_train_others():
+    """`attnres compare model.residual.block_size=4` (Block AttnRes at another S) was refused
+    with "choose variants with --variants", which cannot change S: the message names what each
+    variant sets and the way to train other values, a Variant of your own."""
+    from attnres.experiments.job.runner import check_grid_overrides
+
+    with pytest.raises(ValueError, match=r"^override 'model.residual.block_size=4' changes model.residual.block_size, "
+                                         r"which the 'compare' grid sets per variant \(block: 2\): choose among its "
+                                         r"variants with --variants, or train other values as a Variant of your own in "
+                                         r"Python \(docs/experiments.md, \"Grids\"\)$"):
+        check_grid_overrides(get_experiment("compare", "tiny"), ["model.residual.block_size=4"])
+    with pytest.raises(ValueError, match=r"sets per variant \(baseline_s1: 2, block_s1: 2, full_s1: 2, baseline_s2: 3, "
+                                         r"\.\.\. \(9 variants\)\)"):
+        check_grid_overrides(get_experiment("scaling", "tiny"), ["steps=5"])
+
+
 @pytest.mark.parametrize("override", ["resume=true", "resume_from=elsewhere/run"])
 def test_resume_overrides_are_refused_before_the_grid_is_written(tmp_path, override, capsys):
     """`attnres compare --out X resume=true` wrote the grid's header, then its first run was

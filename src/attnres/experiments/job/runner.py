@@ -80,10 +80,17 @@ def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
     resumed = "the grid sets for each run (a run with checkpoints is resumed from its newest: give the grid's command again)"
     set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run",
                    ("resume",): resumed, ("resume_from",): resumed}
+    per_variant: dict[tuple[str, ...], list[str]] = {}
     for v in experiment.variants:
-        for key in flatten({"model": v.model, **v.train}):
-            set_by_grid.setdefault(tuple(key.split(".")), f"the {experiment.name!r} grid sets per variant (choose variants "
-                                         "with --variants)")
+        for key, value in flatten({"model": v.model, **v.train}).items():
+            per_variant.setdefault(tuple(key.split(".")), []).append(f"{v.name}: {value}")
+    for path, values in per_variant.items():
+        # (the values and the way to train others: `model.residual.block_size=4` on compare said only
+        # "choose variants with --variants", which cannot change S)
+        shown = ", ".join(values[:4]) + (f", ... ({len(values)} variants)" if len(values) > 4 else "")
+        set_by_grid.setdefault(path, f"the {experiment.name!r} grid sets per variant ({shown}): choose among its "
+                                     "variants with --variants, or train other values as a Variant of your own in "
+                                     "Python (docs/experiments.md, \"Grids\")")
     for item in overrides:
         keys = tuple(parse_override(item)[0])
         for path, owner in set_by_grid.items():
