@@ -1238,7 +1238,8 @@ def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(cor
     text = write_report("compare", [standard, {**block, "val_loss": math.nan}], out, "tiny").read_text()
     assert ("Left out of this report: 1 run whose final validation loss is not a number (block seed 0: see its "
             "metrics.jsonl; retrain it in another --out, e.g. at a lower lr); 1 unfinished run (full seed 0 at step 4 "
-            "of 4: run the same command again to finish it).") in text
+            f"of 4: the grid's command, without --report-only or stop_after, finishes it; `attnres status {out}` prints "
+            "that command).") in text
     assert "\n1 run, steps [4]." in text and "1 warm-up step;" in text
     from attnres.train.lock import RunLock
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...output_paths import save_figure_atomically, write_text_atomically
+from ...shell_words import shell_path
 from ...train import latest_checkpoint
 from ...train.status import run_status
 from .compare import compare_markdown
@@ -348,8 +349,10 @@ def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | Non
         parts.append(f"{_plural(len(not_a_number), 'run')} whose final validation loss is not a number "
                      f"({', '.join(not_a_number)}: see its metrics.jsonl; retrain it in another --out, e.g. at a lower lr)")
     if unfinished:
-        parts.append(f"{_plural(len(unfinished), 'unfinished run')} ({', '.join(unfinished)}: run the same command "
-                     "again to finish it)")
+        # (not "the same command": said by --report-only, or after stop_after, that one trains nothing)
+        parts.append(f"{_plural(len(unfinished), 'unfinished run')} ({', '.join(unfinished)}: the grid's command, "
+                     f"without --report-only or stop_after, finishes {'them' if len(unfinished) > 1 else 'it'}; "
+                     f"`attnres status {shell_path(out)}` prints that command)")
     if training:
         parts.append(f"{_plural(len(training), 'run')} being trained now by another process ({', '.join(training)}: "
                      "--report-only once it has finished)")
