@@ -117,8 +117,11 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     from ...inference.loading import pick_device
     from ...models.factory import check_tokenizer_ids, context_limit
 
+    from ...progress import redraws_in_place, transformers_bars
+
     device = pick_device(device, "device")
-    model, tokenizer = load_directory(path, device)
+    with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log, as eval has it)
+        model, tokenizer = load_directory(path, device)
     native = isinstance(model, AttnResForCausalLM)
     if native:
         model = model.to_native().eval()
