@@ -184,7 +184,7 @@ def _expect(info: dict, results: list[DepthMixing]) -> tuple[str, int | None, in
     """Report §6.2's rank for the model of ``info``, measured as ``results`` (one per seed):
     rank 1 where every seed's weights are uniform (zero queries: an upcycle at conversion)."""
     return rank_expectation(info["residual"], info["L"], info["block_size"], info["n_streams"],
-                            uniform=all(uniform_weights(r) for r in results))
+                            uniform=all(uniform_weights(r) for r in results), measured=max(r.rank for r in results))
 
 
 def _label(info: dict) -> str:
