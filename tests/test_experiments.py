@@ -1166,6 +1166,26 @@ def test_measuring_overheads_leaves_malloc_alone(tmp_path, monkeypatch):
     assert cpu_memory.set_cpu_allocator("retain") and calls  # what applying the setting would have recorded
 
 
+def test_an_interval_of_fewer_than_6_rounds_is_said_with_its_coverage(tmp_path):
+    """`--overhead-repeats 2` printed "95 % interval" for the range of 2 rounds, which covers the
+    median half the time (6 rounds are the fewest whose interval covers 95 %): the log and the
+    report say what the interval is."""
+    from attnres.analysis.profiling import median_interval_coverage
+    from attnres.experiments import measure_overhead
+    from attnres.experiments.job.report import apply_overhead
+
+    assert [median_interval_coverage(n) for n in (1, 2, 5)] == [0, 0.5, 0.9375]
+    assert all(median_interval_coverage(n) >= 0.95 for n in range(6, 40))
+    lines: list[str] = []
+    measure_overhead(get_experiment("compare", "tiny"), tmp_path, repeats=2, log=lines.append)
+    timed = [line for line in lines if "interval" in line]  # (the two variants and the A/A twin)
+    assert len(timed) == 3 and all("(50 % interval (the range of 2 rounds; 6 rounds give 95 %) " in line
+                                   for line in timed), timed
+    assert "95 % interval of that median" not in apply_overhead({}, tmp_path)
+    assert "the larger of the 50 % interval (the range of 2 rounds; 6 rounds give 95 %) of that median" in \
+        apply_overhead({}, tmp_path)
+
+
 def test_a_registered_residual_named_as_a_grid_variant_is_told_how_to_compare_it(tmp_path):
     """`attnres --import mine compare --variants mine` listed the grid's names only."""
     from attnres.experiments import get_experiment, run_experiment

@@ -20,6 +20,7 @@ from ...shell_words import shell_path
 from ...train import latest_checkpoint
 from ...train.status import run_status
 from .compare import compare_markdown
+from .overhead import interval_label
 from ...user_warning import warn_user
 from ..layout import RESULT_FILE, data_fingerprint, read_overhead, run_dir, saved_config
 from .presets import PRESETS, get_experiment
@@ -106,8 +107,8 @@ def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
             summ[name].peak_memory_bytes = v["peak_memory_bytes"]
     clock = {"cpu": " on the process's CPU time (other load on the machine does not count)",
              "wall": " on wall-clock time"}.get(m.get("clock"), "")  # files of earlier versions do not say
-    noise = ("; ± its noise: the larger of the 95 % interval of that median and how far an identical copy of the "
-             "baseline (A/A twin) lands from 1" if "twin" in m else "")
+    noise = (f"; ± its noise: the larger of the {interval_label(m['repeats'])} of that median and how far an identical "
+             "copy of the baseline (A/A twin) lands from 1" if "twin" in m else "")
     return (f"Step time and peak memory: one training step of each variant ({m['batch']} x {m['seq_len']} tokens, "
             f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds{clock}; "
             f"× baseline = median of the per-round ratios{noise}. Peak memory: rise of live CPU allocations during "
