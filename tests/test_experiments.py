@@ -1186,6 +1186,20 @@ def test_an_interval_of_fewer_than_6_rounds_is_said_with_its_coverage(tmp_path):
         apply_overhead({}, tmp_path)
 
 
+def test_write_report_in_python_takes_the_grids_preset_as_report_only_does(corpus, tmp_path):
+    """docs/experiments.md's `write_report("scaling", records, "runs/scaling")` (no preset) wrote
+    another report than `--report-only`: no preset in the title, no unfinished size marked. The
+    grid's experiment.json gives it; a Variant of the user's own stays among the named runs."""
+    out = tmp_path / "scaling"
+    grid = get_experiment("scaling", "tiny")
+    grid = dataclasses.replace(grid, variants=[v for v in grid.variants if v.coords["size"] != "s3"])  # s3 unfinished
+    records = run_experiment(grid, out, overrides=[f"data.paths=[{corpus}]"])
+    python = write_report("scaling", records, out).read_text()
+    assert python.startswith("# Scaling laws (Table 2 / Fig. 4) — preset tiny\n")
+    assert cli_main(["experiment", "scaling", "--out", str(out), "--report-only", f"data.paths=[{corpus}]"]) == 0
+    assert (out / "report.md").read_text() == python
+
+
 def test_a_registered_residual_named_as_a_grid_variant_is_told_how_to_compare_it(tmp_path):
     """`attnres --import mine compare --variants mine` listed the grid's names only."""
     from attnres.experiments import get_experiment, run_experiment

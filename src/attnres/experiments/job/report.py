@@ -22,7 +22,7 @@ from ...train.status import run_status
 from .compare import compare_markdown
 from .overhead import interval_label
 from ...user_warning import warn_user
-from ..layout import RESULT_FILE, data_fingerprint, read_overhead, run_dir, saved_config
+from ..layout import RESULT_FILE, data_fingerprint, read_experiment_header, read_overhead, run_dir, saved_config
 from .presets import PRESETS, get_experiment
 from ..grids.scaling_report import scaling_section
 from ..stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
@@ -363,11 +363,19 @@ def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | Non
 def write_report(name: str, records: list[dict[str, Any]], out: str | Path, preset: str = "") -> Path:
     """Write ``<out>/report.md`` (and the experiment's plot) from run ``records``; returns
     the Markdown path. Losses: mean ± sample std over seeds; step time: median ms per step;
-    peak memory: CUDA only."""
+    peak memory: CUDA only. ``preset``: by default the grid's, from ``out``'s experiment.json."""
     if name not in _TITLES:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(_TITLES)}")
     out = Path(out)
-    variants = {v.name for v in get_experiment(name, preset).variants} if preset else None
+    # (docs/experiments.md's `write_report("scaling", records, "runs/scaling")` wrote, without the preset, a
+    # report other than --report-only's: no preset in the title, no unfinished size marked, the multiplier's seeds)
+    # (a Variant of the user's own, added in Python, is the grid's too: its unfinished runs are named - every
+    # folder's where no preset is given)
+    variants = {v.name for v in get_experiment(name, preset).variants} | {r.get("variant") for r in records} \
+        if preset else None
+    header = read_experiment_header(out) or {}
+    if not preset and header.get("experiment") == name and header.get("preset") in PRESETS.get(name, ()):
+        preset = header["preset"]
     records, left_out = _left_out(out, records, variants)
     if not records:
         raise ValueError(f"no finished runs to report for experiment {name!r}"
