@@ -1055,6 +1055,26 @@ def test_depth_weight_heatmaps_have_integer_source_ticks(tmp_path, monkeypatch):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
+def test_depth_weight_heatmaps_say_the_sources_by_the_weights_not_the_variants_name(tmp_path, monkeypatch):
+    """The x label said "blocks" for the variant named "block" alone: a Block AttnRes Variant of
+    another name ("block4", added in Python) read "sublayer outputs". Told by the weights: Block's
+    output row has fewer sources than the sublayer outputs and the embedding."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_depth_weights
+
+    groups = _runs_of({"block4": [[2.0]], "full": [[2.0]]}, [4])
+    # 2 transformer blocks, S = 4 (one block): sources embedding, partial sum; the output: embedding, the block
+    groups["block4"][0].diagnostics = {"depth_weights": [[1.0], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]}
+    groups["full"][0].diagnostics = {"depth_weights": [[1.0 / (l + 1)] * (l + 1) for l in range(5)]}
+    saved = _saved_figures(monkeypatch)
+    assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
+    labels = [ax.get_xlabel() for ax in saved[0].axes if ax.get_label() != "<colorbar>"]
+    assert labels == 2 * ["source (0 = embedding, then completed blocks, then the current block's partial sum)"] + \
+        2 * ["source (0 = embedding, then sublayer outputs)"]
+
+
 def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):
     out = tmp_path / "compare"
     over = [f"data.paths=[{corpus}]", "--overhead-repeats", "0"]

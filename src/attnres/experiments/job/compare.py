@@ -358,6 +358,16 @@ def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
     return drew
 
 
+def _source_axis(weights: list[list[float]]) -> str:
+    """The x label of a depth-weight heatmap, from the weights: Block AttnRes' output row has
+    fewer sources than there are sublayer outputs and the embedding. (It was told by the variant's
+    name, "block": a Block variant of another name, a Variant of the user's own, read "sublayer
+    outputs"; and a block's partial sum, the last source of a row inside a block, went unsaid.)"""
+    if len(weights[-1]) < len(weights):
+        return "source (0 = embedding, then completed blocks, then the current block's partial sum)"
+    return "source (0 = embedding, then sublayer outputs)"
+
+
 def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
     """Fig. 8: one row per sublayer (pre-attention and pre-MLP apart, the output aggregation in
     both), one column per source; the first seed's last diagnostics."""
@@ -381,7 +391,7 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
             ax.set_yticks(range(len(rows)), [f"{'attn' if parity == 0 else 'mlp'} {i}" for i in range(len(rows) - 1)]
                           + ["output"], fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sources are counted: no fractional ticks
-            ax.set_xlabel("source (0 = embedding, then " + ("blocks" if name == "block" else "sublayer outputs") + ")")
+            ax.set_xlabel(_source_axis(weights))
             step = f" (step {diag['step']})" if "step" in diag else ""  # the record's, not the run's last step
             ax.set_title(f"{_LABELS.get(name, name)}: {kind}{step}", fontsize=10)
             fig.colorbar(im, ax=ax)
