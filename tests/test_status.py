@@ -84,6 +84,22 @@ def test_the_command_prints_a_line_per_run(runs, capsys):
         cli_main(["status", str(runs / "nowhere")])
 
 
+@pytest.mark.parametrize("command", ["status", "plot"])
+def test_a_hugging_face_model_directory_is_said_to_be_one(tmp_path, command, capsys):
+    """`attnres status llama-attnres` (an upcycle) said "no training runs under" it, and `plot`
+    the same as an error, as of a folder not trained into yet: it is a model, and the message
+    names what reads it and how to train a run from it."""
+    model = tmp_path / "llama-attnres"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: '.*llama-attnres' is a Hugging Face model "
+                                         r"directory \(an upcycle, an export\), not a training run: attnres generate, "
+                                         r"eval and analyze read it, and `attnres train model.from_hf=DIR init_from=DIR "
+                                         r"out_dir=RUN` trains a run from it$"):
+        cli_main([command, str(model)])
+
+
 def test_json_lines_stay_strict_json_when_a_loss_is_not_a_number(runs, tmp_path, capsys):
     """A NaN validation loss or an infinite rate in metrics.jsonl was printed as ``NaN`` /
     ``Infinity``, which is not JSON (jq and JavaScript refuse the line); now ``null``."""

@@ -112,6 +112,13 @@ def is_hf_directory(path: str | Path) -> bool:
             and not (path / "checkpoints").is_dir() and not (path / RUN_LOG).is_file())
 
 
+def holds_hf_model(path: str | Path) -> bool:
+    """A :func:`is_hf_directory` with its weights beside the ``config.json`` (an upcycle, an
+    export, a ``save_pretrained``): what a training run's ``config.json`` alone is not."""
+    path = Path(path)
+    return is_hf_directory(path) and any(any(path.glob(pattern)) for pattern in HF_WEIGHT_FILES)
+
+
 #: What reading a transformers directory's weights raises for a file it cannot use: a
 #: ``.safetensors`` file cut short or damaged, or a ``.bin`` (pickle) file that holds more than
 #: tensors, which torch's weights-only loader refuses to unpickle (it could run any code).
@@ -248,7 +255,7 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
         folder = str(path)
     elif path.name == "checkpoints" and not (path / "checkpoints").is_dir() and checkpoint_dirs(path.parent):
         run, what, folder = path.parent, f"the checkpoints/ folder of the run {str(path.parent)!r}", None
-    elif is_hf_directory(path) and any(any(path.glob(p)) for p in HF_WEIGHT_FILES):
+    elif holds_hf_model(path):
         raise OutputPathError(f"out_dir {str(path)!r} is a Hugging Face directory: a training run written there would "
                               f"replace its config.json; to train from it, `init_from={shell_path(path)}` (with "
                               f"model.from_hf={shell_path(path)}) and another out_dir")

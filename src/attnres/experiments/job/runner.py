@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import is_hf_directory, newest_state, training_output
+from ...checkpoint.locate import holds_hf_model, newest_state, training_output
 from ...data import corpus_fingerprint, load_corpus, prepare_data
 from ...distributed.launch import training_device
 from ...migrations import stored_config
 from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
-from ...output_paths import HF_WEIGHT_FILES, strict_json, write_text_atomically
+from ...output_paths import strict_json, write_text_atomically
 from ...progress import clock
 from ...termination import Terminated
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
@@ -245,7 +245,7 @@ def read_result(path: Path) -> dict[str, Any]:
 def _hf_model_directory(out: Path) -> str:
     """What ``out``, holding a ``config.json`` and no checkpoint, is in words: an upcycled or
     exported model (its weights beside it) was called "a training run's directory"."""
-    if is_hf_directory(out) and any(any(out.glob(p)) for p in HF_WEIGHT_FILES):
+    if holds_hf_model(out):
         return ("a Hugging Face model directory (config.json and its weights: an upcycle, an export), which the "
                 "grid's runs and report would mix with")
     return "a training run's directory (it holds config.json)"
