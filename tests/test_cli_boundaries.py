@@ -210,6 +210,23 @@ def test_eval_and_analyze_read_held_out_json_lines_as_training_does(tmp_path):
                   "--out", str(tmp_path / "bad.json")])
 
 
+def test_held_out_json_lines_without_the_field_say_what_eval_and_analyze_read(tmp_path):
+    """`attnres eval RUN --text held.jsonl` (and `analyze`) with records of another field said
+    "data.text_field names the field that holds the text", an option neither command takes:
+    the message says the field is the run's, and what to give instead."""
+    import json
+
+    from attnres.data.corpus import json_lines_text
+
+    (tmp_path / "held.jsonl").write_text(json.dumps({"txt": "a"}) + "\n")
+    with pytest.raises(ValueError) as info:
+        json_lines_text(tmp_path / "held.jsonl", "--text", "content")
+    message = str(info.value)
+    assert message.startswith("--text: ") and "(this one has the fields ['txt'])" in message
+    assert "names the field" not in message
+    assert "the one the run trained on (its data.text_field" in message and "plain-text file" in message
+
+
 @pytest.mark.parametrize("command", ["generate", "eval", "export"])
 def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command):
     from attnres.data.tokenizer import train_bpe

@@ -1055,6 +1055,26 @@ def test_depth_weight_heatmaps_have_integer_source_ticks(tmp_path, monkeypatch):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
+def test_depth_weight_heatmaps_say_the_sources_by_the_weights_not_the_variants_name(tmp_path, monkeypatch):
+    """The x label said "blocks" for the variant named "block" alone: a Block AttnRes Variant of
+    another name ("block4", added in Python) read "sublayer outputs". Told by the weights: Block's
+    output row has fewer sources than the sublayer outputs and the embedding."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_depth_weights
+
+    groups = _runs_of({"block4": [[2.0]], "full": [[2.0]]}, [4])
+    # 2 transformer blocks, S = 4 (one block): sources embedding, partial sum; the output: embedding, the block
+    groups["block4"][0].diagnostics = {"depth_weights": [[1.0], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]}
+    groups["full"][0].diagnostics = {"depth_weights": [[1.0 / (l + 1)] * (l + 1) for l in range(5)]}
+    saved = _saved_figures(monkeypatch)
+    assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
+    labels = [ax.get_xlabel() for ax in saved[0].axes if ax.get_label() != "<colorbar>"]
+    assert labels == 2 * ["source (0 = embedding, then completed blocks, then the current block's partial sum)"] + \
+        2 * ["source (0 = embedding, then sublayer outputs)"]
+
+
 def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):
     out = tmp_path / "compare"
     over = [f"data.paths=[{corpus}]", "--overhead-repeats", "0"]
@@ -1166,6 +1186,40 @@ def test_measuring_overheads_leaves_malloc_alone(tmp_path, monkeypatch):
     assert cpu_memory.set_cpu_allocator("retain") and calls  # what applying the setting would have recorded
 
 
+def test_an_interval_of_fewer_than_6_rounds_is_said_with_its_coverage(tmp_path):
+    """`--overhead-repeats 2` printed "95 % interval" for the range of 2 rounds, which covers the
+    median half the time (6 rounds are the fewest whose interval covers 95 %): the log and the
+    report say what the interval is."""
+    from attnres.analysis.profiling import median_interval_coverage
+    from attnres.experiments import measure_overhead
+    from attnres.experiments.job.report import apply_overhead
+
+    assert [median_interval_coverage(n) for n in (1, 2, 5)] == [0, 0.5, 0.9375]
+    assert all(median_interval_coverage(n) >= 0.95 for n in range(6, 40))
+    lines: list[str] = []
+    measure_overhead(get_experiment("compare", "tiny"), tmp_path, repeats=2, log=lines.append)
+    timed = [line for line in lines if "interval" in line]  # (the two variants and the A/A twin)
+    assert len(timed) == 3 and all("(50 % interval (the range of 2 rounds; 6 rounds give 95 %) " in line
+                                   for line in timed), timed
+    assert "95 % interval of that median" not in apply_overhead({}, tmp_path)
+    assert "the larger of the 50 % interval (the range of 2 rounds; 6 rounds give 95 %) of that median" in \
+        apply_overhead({}, tmp_path)
+
+
+def test_write_report_in_python_takes_the_grids_preset_as_report_only_does(corpus, tmp_path):
+    """docs/experiments.md's `write_report("scaling", records, "runs/scaling")` (no preset) wrote
+    another report than `--report-only`: no preset in the title, no unfinished size marked. The
+    grid's experiment.json gives it; a Variant of the user's own stays among the named runs."""
+    out = tmp_path / "scaling"
+    grid = get_experiment("scaling", "tiny")
+    grid = dataclasses.replace(grid, variants=[v for v in grid.variants if v.coords["size"] != "s3"])  # s3 unfinished
+    records = run_experiment(grid, out, overrides=[f"data.paths=[{corpus}]"])
+    python = write_report("scaling", records, out).read_text()
+    assert python.startswith("# Scaling laws (Table 2 / Fig. 4) — preset tiny\n")
+    assert cli_main(["experiment", "scaling", "--out", str(out), "--report-only", f"data.paths=[{corpus}]"]) == 0
+    assert (out / "report.md").read_text() == python
+
+
 def test_a_registered_residual_named_as_a_grid_variant_is_told_how_to_compare_it(tmp_path):
     """`attnres --import mine compare --variants mine` listed the grid's names only."""
     from attnres.experiments import get_experiment, run_experiment
@@ -1208,7 +1262,13 @@ def test_a_grid_is_not_written_into_a_run_or_over_a_report_it_did_not_write(corp
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "report.md").write_text("mine")
+    upcycled = tmp_path / "upcycled"  # (was called "a training run's directory (it holds config.json)")
+    upcycled.mkdir()
+    (upcycled / "config.json").write_text("{}")
+    (upcycled / "model.safetensors").write_bytes(b"")
     for out, what in ((run, r"a training run's directory \(it holds config.json\)"),
+                      (upcycled, r"a Hugging Face model directory \(config.json and its weights: an upcycle, an "
+                                 r"export\), which the grid's runs and report would mix with"),
                       (notes, r"a folder with a report.md that no experiment wrote \(no experiment.json\)")):
         for extra in ([], ["--report-only"]):
             with pytest.raises(SystemExit, match=rf"attnres compare: error: --out '.*' is {what}.*pick another --out"):
@@ -1232,7 +1292,8 @@ def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(cor
     text = write_report("compare", [standard, {**block, "val_loss": math.nan}], out, "tiny").read_text()
     assert ("Left out of this report: 1 run whose final validation loss is not a number (block seed 0: see its "
             "metrics.jsonl; retrain it in another --out, e.g. at a lower lr); 1 unfinished run (full seed 0 at step 4 "
-            "of 4: run the same command again to finish it).") in text
+            f"of 4: the grid's command, without --report-only or stop_after, finishes it; `attnres status {out}` prints "
+            "that command).") in text
     assert "\n1 run, steps [4]." in text and "1 warm-up step;" in text
     from attnres.train.lock import RunLock
 
@@ -1340,6 +1401,22 @@ def test_a_misspelt_override_of_a_new_grid_is_said_as_the_grids_not_its_first_va
     with pytest.raises(ValueError, match=r"^experiment 'compare' variant 'standard': unknown TrainConfig key\(s\) "
                                          r"\['stpes'\]"):
         run_config(exp, broken, 0, tmp_path / "run", ["steps=10"])
+
+
+def test_an_override_of_what_the_variants_set_names_their_values_and_the_way_to_train_others():
+    """`attnres compare model.residual.block_size=4` (Block AttnRes at another S) was refused
+    with "choose variants with --variants", which cannot change S: the message names what each
+    variant sets and the way to train other values, a Variant of your own."""
+    from attnres.experiments.job.runner import check_grid_overrides
+
+    with pytest.raises(ValueError, match=r"^override 'model.residual.block_size=4' changes model.residual.block_size, "
+                                         r"which the 'compare' grid sets per variant \(block: 2\): choose among its "
+                                         r"variants with --variants, or train other values as a Variant of your own in "
+                                         r"Python \(docs/experiments.md, \"Grids\"\)$"):
+        check_grid_overrides(get_experiment("compare", "tiny"), ["model.residual.block_size=4"])
+    with pytest.raises(ValueError, match=r"sets per variant \(baseline_s1: 2, block_s1: 2, full_s1: 2, baseline_s2: 3, "
+                                         r"\.\.\. \(9 variants\)\)"):
+        check_grid_overrides(get_experiment("scaling", "tiny"), ["steps=5"])
 
 
 @pytest.mark.parametrize("override", ["resume=true", "resume_from=elsewhere/run"])

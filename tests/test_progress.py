@@ -173,16 +173,31 @@ def _tiny_llama_directory(path: Path) -> Path:
 def _transformers_command(name: str, llama: Path, tmp_path: Path) -> list[str]:
     text = tmp_path / "held_out.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 8)
+    if name in ("analyze", "train") and not (tmp_path / "up").exists():  # (they read an upcycle)
+        from attnres.hf.upcycle.io import upcycle_directory
+        from attnres.progress import transformers_bars
+
+        with transformers_bars(False):  # (the set-up's bars are not the command's)
+            upcycle_directory(llama, tmp_path / "up", "attnres_block", 2)
+    if name == "train":  # (a new out_dir per call, and text enough for its windows)
+        (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+        out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        return ["train", f"model.from_hf={tmp_path / 'up'}", f"init_from={tmp_path / 'up'}", "steps=1", "warmup_steps=0",
+                "seq_len=16", "batch_size=2", "eval_batches=1", "progress=false", "tensorboard=false",
+                f"data.paths=[{tmp_path / 'corpus.txt'}]", f"out_dir={out}"]
     return {"generate": ["generate", str(llama), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"],
             "eval": ["eval", str(llama), "--tasks", "none", "--text", str(text), "--device", "cpu",
                      "--out", str(tmp_path / "results.json")],
-            "upcycle": ["upcycle", "--model", str(llama), "--out", str(tmp_path / "up")]}[name]
+            "upcycle": ["upcycle", "--model", str(llama), "--out", str(tmp_path / "up")],
+            # (analyze of an upcycle, and train's init_from of one, printed the bar: a log's line per redraw)
+            "analyze": ["analyze", str(tmp_path / "up"), "--text", str(text), "--seq-len", "16", "--device", "cpu",
+                        "--out", str(tmp_path / "analysis")]}[name]
 
 
-@pytest.mark.parametrize("command", ["generate", "eval", "upcycle"])
+@pytest.mark.parametrize("command", ["generate", "eval", "upcycle", "analyze", "train"])
 @pytest.mark.parametrize("user_had_them", [True, False])
 def test_transformers_bars_follow_ours_and_the_users_setting_is_kept(command, user_had_them, tmp_path, capsys):
-    """`attnres generate/eval/upcycle DIR` in a log printed transformers' own "Loading weights"
+    """`attnres generate/eval/upcycle/analyze DIR` (and train's init_from=DIR) in a log printed transformers' own "Loading weights"
     (and upcycle's "Writing model shards") bars, carriage-return redraws our bars avoid there.
     Away from a terminal they are off; on one they show; after the command, transformers'
     setting is the one a Python caller had."""

@@ -68,17 +68,36 @@ def test_the_command_prints_a_line_per_run(runs, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["run", "model", "step", "train", "loss", "val", "loss", "(at", "step)", "tok/s",
                                 "checkpoint", "state"]
-    assert len(lines) == 5 and "attnres_block, 2 layers, d 64" in lines[1] and " 6/6 " in lines[1]
+    # (S: a block-size sweep's runs, or runs/block4 beside runs/block8, read alike without it)
+    assert len(lines) == 5 and "attnres_block S=2, 2 layers, d 64" in lines[1] and " 6/6 " in lines[1]
+    assert "standard, 2 layers" in lines[2]
     assert lines[1].endswith("step 6      finished") and lines[2].endswith("stopped")
     stopped = lines[2].split()[0]  # and how to continue it
     assert lines[4].startswith(f"continue a stopped run with `attnres train out_dir={stopped} --resume`")
     assert cli_main(["status", str(runs), "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["state"] for r in rows] == ["finished", "stopped"] and rows[1]["step"] == 3
+    assert [r["block_size"] for r in rows] == [2, None]
     assert cli_main(["status", str(runs / "hf")]) == 0
     assert "no training runs under" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="attnres status: error: no such folder: '.*nowhere'"):
         cli_main(["status", str(runs / "nowhere")])
+
+
+@pytest.mark.parametrize("command", ["status", "plot"])
+def test_a_hugging_face_model_directory_is_said_to_be_one(tmp_path, command, capsys):
+    """`attnres status llama-attnres` (an upcycle) said "no training runs under" it, and `plot`
+    the same as an error, as of a folder not trained into yet: it is a model, and the message
+    names what reads it and how to train a run from it."""
+    model = tmp_path / "llama-attnres"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: '.*llama-attnres' is a Hugging Face model "
+                                         r"directory \(an upcycle, an export\), not a training run: attnres generate, "
+                                         r"eval and analyze read it, and `attnres train model.from_hf=DIR init_from=DIR "
+                                         r"out_dir=RUN` trains a run from it$"):
+        cli_main([command, str(model)])
 
 
 def test_json_lines_stay_strict_json_when_a_loss_is_not_a_number(runs, tmp_path, capsys):

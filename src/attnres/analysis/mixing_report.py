@@ -56,18 +56,24 @@ def method_note(n_tokens: int | dict[str, int]) -> str:
 
 
 def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = None,
-                     n_streams: int | None = None, uniform: bool = False) -> tuple[str, int | None, int | None]:
+                     n_streams: int | None = None, uniform: bool = False,
+                     measured: int | None = None) -> tuple[str, int | None, int | None]:
     """What report §6.2 says of the semiseparable rank: ``(words, low, high)`` (bounds or
     ``None``). No bound exceeds the most the blocks of an ``(L + 1) × (L + 1)`` matrix allow
     (``(L + 2) // 2``, Full AttnRes's); Block AttnRes with ``S = 1`` is Full AttnRes, and
     ``S`` counts at most ``L`` sublayers (``S ≥ L``: one block). ``uniform``: the measured
     AttnRes weights are uniform (:func:`uniform_weights`), whose matrix has rank 1 whatever
-    N and S: the report's bounds, those of learnt queries, are not set against it."""
+    N and S: the report's bounds, those of learnt queries, are not set against it. ``measured``:
+    the largest rank measured, said to be rounding where uniform weights gave more than 1."""
     L = n_sublayers
     dense = (L + 2) // 2
     if uniform and residual in ("attnres_full", "attnres_block"):
-        return ("1: every weight uniform (zero pseudo-queries: a model at initialisation, an upcycle at conversion); "
-                "report §6.2's bounds are for learnt queries", None, None)  # (no finding against them)
+        # (SmolLM2's Block upcycle, 60 sublayers: float32 sixths one ulp apart, a second singular value of 4.5e-9)
+        rounding = "" if not measured or measured < 2 else (
+            f"; the {measured} measured is rounding: equal weights that differ in their last bits, which the threshold "
+            f"of {RANK_RTOL:g} × the largest singular value counts")
+        return ("1: every weight uniform (zero pseudo-queries: a model at initialisation, an upcycle at conversion)"
+                f"{rounding}; report §6.2's bounds are for learnt queries", None, None)  # (no finding against them)
     if residual in ("standard", "highway", "rezero", "layerscale"):
         return "1 (report §6.2)", 1, 1
     if residual in ("hyper_connections", "mhc", "mhc_lite") and n_streams:
@@ -86,7 +92,8 @@ def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = N
             return f"between N = {N} and N + S = {N + S} (report §6.2{cap})", N, high
         return (f"≤ N + S = {N + S}{cap}; the lower bound N = {N} may fail when S < N - 1 (here S = {S}; "
                 f"it held in our tests whenever S ≥ N - 1)", None, high)
-    return "", None, None
+    # (DenseFormer, a residual of the user's own: an empty cell read as a value left out by mistake)
+    return "none stated (report §6.2 derives the rank of the standard residual, Highway, (m)HC and AttnRes)", None, None
 
 
 def uniform_weights(result: DepthMixing, tol: float = 1e-6) -> bool:

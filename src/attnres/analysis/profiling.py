@@ -65,14 +65,27 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     if not values:
         raise ValueError("median_interval needs at least one value")
     ordered, n = sorted(values), len(values)
+    k = _median_order(n, confidence)
+    return ordered[k - 1], ordered[n - k]
+
+
+def _median_order(n: int, confidence: float) -> int:
+    """The ``k`` of :func:`median_interval` for ``n`` values."""
     k, below = 0, 0.0  # below = P(B < k + 1)
     while k < n // 2:
         below += math.comb(n, k) / 2**n
         if below > (1 - confidence) / 2:
             break
         k += 1
-    k = max(k, 1)
-    return ordered[k - 1], ordered[n - k]
+    return max(k, 1)
+
+
+def median_interval_coverage(n: int, confidence: float = 0.95) -> float:
+    """How often the interval :func:`median_interval` gives for ``n`` values covers the median:
+    ``1 - 2 P(Binomial(n, 1/2) < k)``; ``confidence`` or more from 6 values at 95 %, below it
+    for fewer (the range of the values: 2 values 50 %, 5 values 93.75 %; 1 value 0)."""
+    k = _median_order(n, confidence)
+    return 1 - 2 * sum(math.comb(n, j) for j in range(k)) / 2**n
 
 
 def paired_summary(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float | list[float]]]:

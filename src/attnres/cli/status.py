@@ -102,7 +102,9 @@ def render(runs) -> str:
     header = ("run", "model", "step", "train loss", "val loss (at step)", "tok/s", "checkpoint", "state")
     rows = [header]
     for s in runs:
-        model = ", ".join(x for x in (s.residual or "?", f"{s.n_layers} layers" if s.n_layers else "",
+        # (S: the runs of a block-size sweep, or runs/block4 beside runs/block8, read alike without it)
+        residual = (s.residual or "?") + (f" S={s.block_size}" if s.block_size else "")
+        model = ", ".join(x for x in (residual, f"{s.n_layers} layers" if s.n_layers else "",
                                       f"d {s.d_model}" if s.d_model else "") if x)
         rows.append((
             s.path, model, f"{s.step}/{s.steps if s.steps is not None else '?'}",

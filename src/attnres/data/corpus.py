@@ -56,14 +56,20 @@ def read_text_file(path: str | Path, what: str) -> str:
     return "".join(_text_parts(Path(path), what))
 
 
-def json_lines_text(path: str | Path, what: str, text_field: str = "text") -> str:
+#: How ``attnres eval`` / ``analyze --text`` pick a record's field: not an option of theirs, so
+#: the training advice ("data.text_field names the field") left the user without a way to set it.
+HELD_OUT_FIELD_ADVICE = ("the field read is the one the run trained on (its data.text_field; \"text\" for a "
+                         "transformers directory): give records holding it, or the text as a plain-text file")
+
+
+def json_lines_text(path: str | Path, what: str, text_field: str = "text", advice: str = HELD_OUT_FIELD_ADVICE) -> str:
     """The text of the ``.jsonl`` file ``path`` as training reads it: its records'
     ``text_field`` joined by :data:`DOCUMENT_SEPARATOR` (its JSON syntax is no text: held-out
     JSON lines read whole scored a model on braces, quotes and field names). ``ValueError``
-    naming it as ``what``."""
+    naming it as ``what``, and saying ``advice`` for a record without the field."""
     path = Path(path)
     try:
-        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field))
+        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field, advice))
     except UnicodeDecodeError:
         raise _not_utf8(what, path) from None
     except ValueError as e:  # (a line that is not JSON, or has no string text_field: where, by line)
@@ -135,8 +141,10 @@ COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\
 TEXT_FIELD = "text"
 
 
-def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
-    """The ``text_field`` of each record of the ``.jsonl`` file ``path``, one at a time."""
+def _read_jsonl(path: Path, text_field: str = TEXT_FIELD,
+                advice: str = "data.text_field names the field that holds the text") -> Iterator[str]:
+    """The ``text_field`` of each record of the ``.jsonl`` file ``path``, one at a time;
+    ``advice``: how to read a record without it (training's: set ``data.text_field``)."""
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record.
     with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
@@ -148,8 +156,7 @@ def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
-                                 f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); data.text_field names "
-                                 "the field that holds the text")
+                                 f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); {advice}")
             yield _universal_newlines(record[text_field])
 
 

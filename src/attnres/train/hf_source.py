@@ -16,6 +16,7 @@ from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, generation_record, is
 from ..checkpoint import Source
 from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_shards, refuse_missing_weights, unreadable_weights
 from ..shell_words import shell_path
+from ..progress import redraws_in_place, transformers_bars
 
 __all__ = ["hf_source", "load_hf_weights"]
 
@@ -87,8 +88,9 @@ def load_hf_weights(model, path: str | Path) -> None:
     param = next(model.parameters())
     refuse_missing_shards(f"init_from={str(path)!r}", path, "download or copy the model again")
     try:  # the run's own class: a plain family directory loads into its AttnRes version
-        loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
-                                                      output_loading_info=True)
+        with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log, as eval has it)
+            loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
+                                                          output_loading_info=True)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"init_from={str(path)!r}: its weights do not fit this run's model ({e}); describe the model "
                          f"with model.from_hf={shell_path(path)}") from None

@@ -725,6 +725,25 @@ def _load_resumed(source, config: TrainConfig, load: Callable[[], T]) -> T:
         raise removed_while_set_up(config, source, resumed=True) from None
 
 
+def _other_architecture(source, theirs: str | None, ours: str | None) -> str:
+    """The error of :func:`_misfit` where the checkpoint's model and this run's are of different
+    architectures (attnres's own, a transformers family): a run of `model.from_hf=DIR` given as
+    ``init_from`` without it (or a native run's into one) listed every ``hf_config`` field that
+    differs and said to set them all, where what differs is the architecture."""
+    def name(arch: str | None) -> str:
+        return f"a model of transformers' {arch!r} architecture" if arch else "attnres's own model (no model.hf_architecture)"
+
+    path = Path(source.path)
+    run = path.parent.parent if path.parent.name == "checkpoints" else path
+    fix = ("leave out model.from_hf / model.hf_architecture" if theirs is None else
+           "give model.from_hf (the directory its run was trained from)")
+    if (run / "config.json").is_file():
+        fix += f", or train from its run's config: `attnres train --config {shell_path(run / 'config.json')} " \
+               f"init_from={shell_path(path)} out_dir=DIR`"
+    return (f"init_from={str(source.path)!r}: the checkpoint holds {name(theirs)} and this run builds {name(ours)}: "
+            f"the weights of one do not load into the other; {fix}")
+
+
 def _misfit(source, config: TrainConfig, error: CheckpointError) -> Exception:
     """What :func:`_load_init_weights` raises for ``error``, met loading ``source``'s weights:
     the model fields that differ from the checkpoint's first and alone (the load's own error
@@ -733,6 +752,9 @@ def _misfit(source, config: TrainConfig, error: CheckpointError) -> Exception:
     differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
     if not differing:
         return on_every_rank(CheckpointError(f"init_from: {error}"))
+    if saved.get("hf_architecture") != ours.get("hf_architecture"):
+        return on_every_rank(CheckpointError(_other_architecture(source, saved.get("hf_architecture"),
+                                                                 ours.get("hf_architecture"))))
     values = ", ".join(f"model.{k}: {saved.get(k)!r} there, {ours.get(k)!r} here" for k in differing)
     return on_every_rank(CheckpointError(
         f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs from the "

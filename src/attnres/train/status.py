@@ -41,7 +41,8 @@ class RunStatus:
     that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
     or a lock left by a process of another host); ``config_error``: why its ``config.json``
     cannot be read, and where the model and ``steps`` came from instead; ``tokenizer``: what its
-    losses are per token of (:func:`tokenizer_description`)."""
+    losses are per token of (:func:`tokenizer_description`); ``block_size``: Block AttnRes' S
+    (``None`` for other residuals), which tells the runs of a block-size sweep apart."""
 
     path: str
     residual: str | None
@@ -58,6 +59,7 @@ class RunStatus:
     holder: str | None = None
     config_error: str | None = None
     tokenizer: str | None = None
+    block_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,7 +134,9 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      step=step, steps=steps, train_loss=train[-1].get("loss") if train else None,
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
-                     state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config))
+                     state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
+                     block_size=residual.get("block_size") if isinstance(residual, dict) and kind == "attnres_block"
+                     else None)
 
 
 def tokenizer_description(config: dict[str, Any]) -> str | None:

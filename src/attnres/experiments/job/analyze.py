@@ -117,8 +117,11 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     from ...inference.loading import pick_device
     from ...models.factory import check_tokenizer_ids, context_limit
 
+    from ...progress import redraws_in_place, transformers_bars
+
     device = pick_device(device, "device")
-    model, tokenizer = load_directory(path, device)
+    with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log, as eval has it)
+        model, tokenizer = load_directory(path, device)
     native = isinstance(model, AttnResForCausalLM)
     if native:
         model = model.to_native().eval()
@@ -181,7 +184,7 @@ def _expect(info: dict, results: list[DepthMixing]) -> tuple[str, int | None, in
     """Report §6.2's rank for the model of ``info``, measured as ``results`` (one per seed):
     rank 1 where every seed's weights are uniform (zero queries: an upcycle at conversion)."""
     return rank_expectation(info["residual"], info["L"], info["block_size"], info["n_streams"],
-                            uniform=all(uniform_weights(r) for r in results))
+                            uniform=all(uniform_weights(r) for r in results), measured=max(r.rank for r in results))
 
 
 def _label(info: dict) -> str:

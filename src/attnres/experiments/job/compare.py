@@ -42,6 +42,7 @@ from ..flops import to_pflops_days
 from ..layout import read_overhead, run_dir, saved_config
 from ..grids.multiplier import curve_crossing
 from ..stats import markdown_table, mean_std, t_interval
+from .overhead import interval_label
 
 BASELINE = "standard"
 #: Fewer seeds than this: the findings state the measured gaps but claim no ordering (with one
@@ -166,10 +167,10 @@ def equal_time_noise(groups: dict[str, list[Run]], step_ratio: dict[str, float],
     return out
 
 
-def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]] | None = None
+def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]] | None = None, repeats: int = 10
             ) -> tuple[str, dict[str, Any], dict[str, tuple[float, float]]]:
-    """The loss and paired-gap tables; ``overheads``: ``overhead.json``'s per-variant ratios.
-    Also returns the paired gaps and :func:`equal_time_noise`."""
+    """The loss and paired-gap tables; ``overheads``: ``overhead.json``'s per-variant ratios,
+    measured over ``repeats`` rounds. Also returns the paired gaps and :func:`equal_time_noise`."""
     step_ratio = {name: v["step_ratio"] for name, v in (overheads or {}).items()}
     base = groups.get(BASELINE)
     final = {name: {r.record["seed"]: r.record["val_loss"] for r in rs} for name, rs in groups.items()}
@@ -226,7 +227,7 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
                   "batches; negative = AttnRes better): mean [95 % Student-t interval over the seeds] and the paired "
                   "t-test's p:\n\n" + markdown_table(header, paired_rows))
     if noisy:
-        md.append(_TIME_NOTE)
+        md.append(_TIME_NOTE.format(interval=interval_label(repeats)))
     if unread := _unread_note(groups, losses):
         md.append(unread)
     return "\n\n".join(md), gaps, noisy
@@ -252,7 +253,7 @@ _NO_BASELINE = ("No standard run has finished in this grid: the readings at equa
 _NO_ATTNRES = ("No AttnRes run has finished in this grid: the gaps paired by seed need a Block or Full AttnRes run of "
                "the same seed as the standard one. Train them with the same command and `--variants block full`.")
 _TIME_NOTE = ("Step time: CPU time of one training step at one thread, interleaved, × standard = median of the "
-              "per-round ratios ± its noise (the larger of its 95 % interval and how far an identical copy of the "
+              "per-round ratios ± its noise (the larger of its {interval} and how far an identical copy of the "
               "standard model lands from 1). Equal time reads each curve at the standard model's steps / that ratio; "
               "where moving the ratio by its noise moves the paired gap by more than the gap itself, the reading is "
               "marked \"too noisy\" and no equal-time conclusion is drawn.")
@@ -357,6 +358,16 @@ def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
     return drew
 
 
+def _source_axis(weights: list[list[float]]) -> str:
+    """The x label of a depth-weight heatmap, from the weights: Block AttnRes' output row has
+    fewer sources than there are sublayer outputs and the embedding. (It was told by the variant's
+    name, "block": a Block variant of another name, a Variant of the user's own, read "sublayer
+    outputs"; and a block's partial sum, the last source of a row inside a block, went unsaid.)"""
+    if len(weights[-1]) < len(weights):
+        return "source (0 = embedding, then completed blocks, then the current block's partial sum)"
+    return "source (0 = embedding, then sublayer outputs)"
+
+
 def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
     """Fig. 8: one row per sublayer (pre-attention and pre-MLP apart, the output aggregation in
     both), one column per source; the first seed's last diagnostics."""
@@ -380,7 +391,7 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
             ax.set_yticks(range(len(rows)), [f"{'attn' if parity == 0 else 'mlp'} {i}" for i in range(len(rows) - 1)]
                           + ["output"], fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sources are counted: no fractional ticks
-            ax.set_xlabel("source (0 = embedding, then " + ("blocks" if name == "block" else "sublayer outputs") + ")")
+            ax.set_xlabel(_source_axis(weights))
             step = f" (step {diag['step']})" if "step" in diag else ""  # the record's, not the run's last step
             ax.set_title(f"{_LABELS.get(name, name)}: {kind}{step}", fontsize=10)
             fig.colorbar(im, ax=ax)
@@ -531,7 +542,8 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     groups = {n: [r for r in runs if r.variant == n] for n in order}
     groups.update({n: rs for n, rs in _by_variant(runs).items() if n not in groups})
     measured = read_overhead(out)
-    tables, gaps, noisy = _tables(groups, measured["variants"] if measured else None)
+    tables, gaps, noisy = _tables(groups, measured["variants"] if measured else None,
+                                  measured.get("repeats", 10) if measured else 10)
     parts = [tables]
     start = decay_start(out, runs[0].record) if runs else None
     wsd_note = "" if start is None else (

