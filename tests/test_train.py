@@ -928,6 +928,19 @@ def test_a_refused_value_says_how_to_write_it(override, said):
     assert said in str(info.value)
 
 
+def test_a_tokenizer_directory_named_without_a_slash_is_said_to_want_one(tmp_path, monkeypatch):
+    """data.tokenizer=mytok, a directory beside the command holding a tokenizer.json, is
+    refused (a misspelt kind must not be looked for as a file); the error said what a path
+    looks like, not that this one is there and how to write it."""
+    (tmp_path / "mytok").mkdir()
+    (tmp_path / "mytok" / "tokenizer.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"got 'mytok' \('mytok' is a path here: write it ./mytok\)"):
+        load_config(None, ["model=tiny", "data.tokenizer=mytok"])
+    with pytest.raises(ValueError, match=r"got 'bpr' \(did you mean 'bpe'\?\)$"):  # no such path: as before
+        load_config(None, ["model=tiny", "data.tokenizer=bpr"])
+
+
 @pytest.mark.parametrize("path", ["1e3", "yes", "2024-01-01"])
 def test_the_quoting_a_refusal_shows_keeps_the_path_when_pasted(path):
     """The hint said ``key='VALUE'``: typed on the command line, the shell took the quotes and
