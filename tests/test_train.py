@@ -365,10 +365,12 @@ def test_missing_and_empty_data(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_corpus([str(tmp_path / "nope.txt")])
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="is empty"):
+    # (the field and the fix: it said only "data file '.../empty.txt' is empty")
+    with pytest.raises(ValueError, match="is empty: data.paths names it.*or leave it out of data.paths$"):
         load_corpus([str(tmp_path / "empty.txt")])
     (tmp_path / "blank.txt").write_text("  \n\n")
-    with pytest.raises(ValueError, match="holds no text"):
+    with pytest.raises(ValueError, match=r"holds no text \(whitespace only\): data.paths names it.*leave it out of "
+                                         "data.paths$"):
         load_corpus([str(tmp_path / "blank.txt")])
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(ValueError, match="is not UTF-8 text"):

@@ -613,7 +613,8 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 raise ValueError(f"data.paths reads the file {str(first)!r} twice ({how}): list each file or "
                                  "directory once")
             if file.stat().st_size == 0 and file == root:  # (named: a file meant to hold the text)
-                raise ValueError(f"data file {str(file)!r} is empty")
+                raise ValueError(f"data file {str(file)!r} is empty: data.paths names it, so it is meant to hold "
+                                 "text; write the text into it, or leave it out of data.paths")
             (empty if file.stat().st_size == 0 else files).append(file)
             if file != root:
                 found.append(file)
@@ -644,9 +645,10 @@ def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str,
     for file in files:
         try:
             length += sum(map(len, _read_file(file, text_field, first=True)))
-        except BlankFileError:
+        except BlankFileError as e:
             if file not in found:  # (named: a file meant to hold the text)
-                raise
+                raise BlankFileError(f"{e} (whitespace only): data.paths names it, so it is meant to hold text; write "
+                                     "the text into it, or leave it out of data.paths") from None
             blank.append(file)
             continue
         kept.append(file)
