@@ -376,8 +376,16 @@ def test_missing_and_empty_data(tmp_path):
     with pytest.raises(ValueError, match="is not UTF-8 text"):
         load_corpus([str(tmp_path / "latin1.txt")])
     (tmp_path / "d").mkdir()
-    with pytest.raises(ValueError, match="holds no .txt or .jsonl files"):
+    with pytest.raises(ValueError, match="holds no .txt or .jsonl files$"):
         load_corpus([str(tmp_path / "d")])
+    for name in ("a.md", "b.md", "c.rst"):  # (was only "holds no .txt or .jsonl files")
+        (tmp_path / "d" / name).write_text("notes\n")
+    with pytest.raises(ValueError, match=r"holds no .txt or .jsonl files \(it holds 3 other file\(s\), '.*a.md', "
+                                         r"'.*b.md', '.*c.rst'; a pattern reads other files as text: "
+                                         r"data.paths=\[.*d/\*\*/\*.md\]\)$") as info:
+        load_corpus([str(tmp_path / "d")])
+    pattern = str(info.value).rsplit("data.paths=[", 1)[1][:-2]
+    assert len(load_corpus([pattern], read=False).files) == 2  # the pattern it names reads them
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match='bad.jsonl:1: .*"text"'):
         load_corpus([str(tmp_path / "bad.jsonl")])

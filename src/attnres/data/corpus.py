@@ -7,7 +7,7 @@ import hashlib
 import json
 import math
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -200,12 +200,25 @@ def _files_of(path: Path) -> list[Path]:
     files = _without_runs(path, files)
     packed = sorted(p for p in found if _is_compressed_text(p) and p.is_file())
     if not files:
-        also = f" (only compressed ones, {_some(packed)}: {DECOMPRESS})" if packed else ""
+        also = f" (only compressed ones, {_some(packed)}: {DECOMPRESS})" if packed else _other_files_hint(path, found)
         raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files{also}")
     if packed:  # (shards of a corpus: a directory of .jsonl and .jsonl.gz lost the second kind without a word)
         warn_user(f"data directory {str(path)!r}: {len(packed)} compressed text file(s) not read: {_some(packed)}; "
                   f"{DECOMPRESS}")
     return files
+
+
+def _other_files_hint(path: Path, found: list[Path]) -> str:
+    """For a data directory without text files: the files it holds instead, and the pattern
+    that reads those of their most common ending as text (a folder of ``.md`` notes was
+    refused saying only that it held no ``.txt`` files); ``""`` where it holds none."""
+    others = sorted(p for p in found if p.is_file() and not _is_compressed_text(p))
+    if not others:
+        return ""
+    endings = Counter(p.suffix for p in others if p.suffix)
+    pattern = (f"; a pattern reads other files as text: data.paths=[{path / '**' / ('*' + ending)}]"
+               if (ending := max(endings, key=endings.__getitem__, default=None)) else "")
+    return f" (it holds {len(others)} other file(s), {_some(others)}{pattern})"
 
 
 #: The endings of compressed files (those of :data:`COMPRESSED`'s formats), which a data
