@@ -593,13 +593,21 @@ def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
         load_config(None, ["data.paths=[*.txt]"])
 
 
-@pytest.mark.parametrize("override", ["data.paths=[${DATA}/a.txt]", "data.paths=[a.txt, b.txt", "model={d_model: 64"])
-def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override):
+@pytest.mark.parametrize("override, hint", [
+    ("data.paths=[${DATA}/a.txt]", "quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'"),
+    # (a ] or } left out, or the shell's split of an unquoted data.paths=[a.txt b.txt]: it was told to quote items)
+    ("data.paths=[a.txt, b.txt", "its [ is never closed: end the list with ] (quoted whole where it holds spaces, "
+                                 "\"data.paths=[a.txt, b.txt]\")"),
+    ("data.paths=[a.txt", "its [ is never closed: end the list with ]"),
+    ("model={d_model: 64", "its { is never closed: end the mapping with } (quoted whole where it holds spaces, "
+                           "\"model={d_model: 64}\")"),
+])
+def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override, hint):
     """``data.paths=[${DATA}/a.txt]`` (single-quoted, or from a script) is not valid YAML, and
     was taken as one path, '[/data/a.txt]', refused as a glob pattern that matches nothing
-    "(in a YAML list an item that starts with * must be quoted)"."""
+    "(in a YAML list an item that starts with * must be quoted)"; one never closed says so."""
     with pytest.raises(ValueError, match=re.escape(f"override {override!r}: its value is not valid YAML (") + r".*\); "
-                       r"quote an item holding \$\{, \{, \}, ' #' or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
+                       + re.escape(hint)):
         load_config(None, [override])
 
 

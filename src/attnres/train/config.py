@@ -512,6 +512,17 @@ def _yaml_error_line(error: Exception) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{hint}"
 
 
+def _unclosed_hint(key: str, raw: str) -> str:
+    """For an override value whose ``[`` or ``{`` is never closed (``data.paths=[a.txt`` - the
+    shell split ``data.paths=[a.txt b.txt]`` at its space, or the ``]`` was left out): how to
+    close it; ``""`` where the brackets pair up (there the value's items want quoting)."""
+    for opening, closing, what in (("[", "]", "list"), ("{", "}", "mapping")):
+        if raw.count(opening) > raw.count(closing):
+            return (f"; its {opening} is never closed: end the {what} with {closing} (quoted whole where it holds "
+                    f"spaces, \"{key}={raw.strip()}{closing}\")")
+    return ""
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"a.b=value"`` -> ``(["a", "b"], value)``, the value parsed as YAML (numbers, bools,
     lists, null; anything else stays a string)."""
@@ -525,7 +536,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e:
         if raw.strip().startswith(("[", "{")):  # (meant as a list or mapping: as one string, a path '[a, b'...)
             said = _yaml_error_line(e)
-            quote = "" if "quoted" in said else "; quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
+            quote = ("" if "quoted" in said else _unclosed_hint(key.strip(), raw) or
+                     "; quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'")
             raise ValueError(f"override {item!r}: its value is not valid YAML ({said}){quote}") from None
         value = raw
     if raw.count("#") > _hash_count(value):
