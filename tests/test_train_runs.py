@@ -503,6 +503,29 @@ def test_resume_from_an_earlier_checkpoint(tmp_path, corpus_file):
     assert steps == list(range(1, 7))
 
 
+def test_resume_from_without_out_dir_names_the_run_instead_of_the_default(tmp_path, corpus_file, monkeypatch):
+    """``attnres train --resume-from runs/a/checkpoints/step-2`` with no config file and no
+    out_dir continued run a into the default out_dir, runs/attnres (said only in the
+    summary's out_dir), a second run of the same steps beside the first; it now says so and
+    names the two out_dirs meant. The checkpoint's own run as out_dir, and any other, go on."""
+    monkeypatch.chdir(tmp_path)
+    a = tmp_path / "a"
+    train(load_config(None, overrides(corpus_file, a, stop_after=4, checkpoint_every=2)))
+    earlier = a / "checkpoints" / "step-00000002"
+    with pytest.raises(SystemExit, match=rf"resume_from='{earlier}' without out_dir would continue it into the default "
+                       rf"out_dir 'runs/attnres', not its run: give out_dir={a} to continue that run \(its checkpoints "
+                       r"after step-00000002 set aside as superseded\), or out_dir=DIR to continue it in a new "
+                       r"directory$"):
+        cli_main(["train", "--resume-from", str(earlier), "progress=false"])
+    with pytest.raises(SystemExit, match=rf"resume_from='{a}' without out_dir .* give out_dir={a} to continue that "
+                       "run, or out_dir=DIR"):  # (its newest: none set aside)
+        cli_main(["train", "--resume-from", str(a), "progress=false"])
+    assert not (tmp_path / "runs").exists()
+    assert cli_main(["train", "--resume-from", str(earlier), f"out_dir={a}", "stop_after=3", "progress=false"]) == 0
+    assert cli_main(["train", "--resume-from", str(a), f"out_dir={tmp_path / 'b'}", "stop_after=4",
+                     "progress=false"]) == 0
+
+
 def test_resume_from_another_runs_checkpoint_into_a_run_directory_is_refused(tmp_path, corpus_file):
     """``--resume-from runs/a/checkpoints/step-2 out_dir=runs/b``, runs/b another run with
     checkpoints of its own: b's checkpoints were set aside as superseded and b's metrics.jsonl
