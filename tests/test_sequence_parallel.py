@@ -164,18 +164,14 @@ def test_the_documented_example_runs_as_written_on_two_ranks(tmp_path):
     its 32 positions."""
     import re
 
-    from distributed_utils import torchrun
+    from distributed_utils import run_doc_example
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
-    block = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
-    assert block.startswith("# prefill_example.py - run it as: torchrun --nproc-per-node 2 prefill_example.py\n")
-    script = tmp_path / "prefill_example.py"
-    script.write_text(block + "\nwith torch.no_grad():\n"
-                      "    assert torch.allclose(logits, model(prompt).logits, rtol=1e-5, atol=1e-6)\n"
-                      "    whole = model(torch.cat([prompt, next_id], 1)).logits[:, -1:]\n"
-                      "    assert torch.allclose(step, whole, rtol=1e-5, atol=1e-6)\n"
-                      "print(f\"equal to one process on rank {shard.start // 32}\")\n")
-    out = torchrun(2, str(script)).stdout
+    out = run_doc_example("distributed.md", "prefill_example.py",
+                          "\nwith torch.no_grad():\n"
+                          "    assert torch.allclose(logits, model(prompt).logits, rtol=1e-5, atol=1e-6)\n"
+                          "    whole = model(torch.cat([prompt, next_id], 1)).logits[:, -1:]\n"
+                          "    assert torch.allclose(step, whole, rtol=1e-5, atol=1e-6)\n"
+                          "print(f\"equal to one process on rank {shard.start // 32}\")\n", tmp_path)
     for rank in (0, 1):  # (not anchored to lines: the ranks share one pipe, see test_pipeline's)
         assert re.search(rf"rank {rank}: positions from {32 * rank}, 3 depth sources of 24576 bytes", out), out
         assert f"equal to one process on rank {rank}" in out, out
