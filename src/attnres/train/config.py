@@ -629,6 +629,12 @@ def config_path(path: str | Path) -> Path:
     return p
 
 
+def missing_config_error(path: str | Path) -> str:
+    """The error for a config file ``path`` that does not exist, with the nearest name there
+    (or shipped with attnres)."""
+    return f"config file {str(path)!r} does not exist{_config_hint(Path(path))}"
+
+
 def _config_hint(p: Path) -> str:
     """Where a config file that does not exist stops existing and the nearest name there
     (``configs/train-cpu.yml``: ``train-cpu.yaml``); for ``configs/NAME`` without a
@@ -711,7 +717,7 @@ def config_data(path: str | Path | None = None, overrides: list[str] | tuple[str
         if p.is_dir():
             raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist{_config_hint(p)}")
+            raise ValueError(missing_config_error(p))
         text = read_text_file(p, "config file")  # (a binary or unreadable file named)
         try:
             data = _yaml_load(text) or {}
