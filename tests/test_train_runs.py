@@ -146,6 +146,11 @@ def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkey
         load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": "bpr"}))
     with pytest.raises(ValueError, match=r"data.tokenizer '.*nope.json' does not exist: give a tokenizer.json"):
         train(load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": str(tmp_path / "nope.json")})))
+    for misspelt, meant in (("tk", "tok"), ("tok/tokenizr.json", "tokenizer.json")):  # (the nearest name: was none)
+        with pytest.raises(ValueError, match=rf"data.tokenizer '.*{misspelt}' does not exist \(did you mean "
+                                             rf"'{meant}'\?\): give a tokenizer.json"):
+            train(load_config(None, overrides(corpus_file, tmp_path / "x",
+                                              **{"data.tokenizer": str(tmp_path / misspelt)})))
     (tmp_path / "notes.json").write_text("plain text")
     with pytest.raises(ValueError, match=r"cannot read tokenizer file '.*notes.json' \(a tokenizer.json of the "
                                          r"tokenizers library, as a checkpoint or attnres export holds\): "):
