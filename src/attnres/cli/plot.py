@@ -78,8 +78,10 @@ def run(args, parser) -> int:
 def _warn_incomparable(drawn: dict, paths: dict, x: str) -> None:
     """Warn where the figure sets side by side what does not compare: losses per token of
     different tokenizers (a byte run's and a BPE run's: nats per byte against per word piece,
-    drawn on one axis of "nats per token"), or, against steps, runs of different tokens per step."""
+    drawn on one axis of "nats per token") or of one tokenizer on different text (their newest
+    checkpoints' data fingerprints), or, against steps, runs of different tokens per step."""
     from ..experiments.curves import tokenizer_of, tokens_per_step
+    from ..train.status import run_data
     from ..user_warning import warn_user
 
     def differing(values: dict) -> str | None:
@@ -90,6 +92,9 @@ def _warn_incomparable(drawn: dict, paths: dict, x: str) -> None:
     if tokenizers:
         warn_user(f"the runs' losses are per token of different tokenizers ({tokenizers}), which do not "
                   "compare; attnres eval gives each run's bits per byte, which do")
+    texts = None if tokenizers else differing({label: run_data(paths[label]) for label in drawn})
+    if texts:  # (one tokenizer: a baseline and a variant on other text looked like a comparison)
+        warn_user(f"the runs trained on different text (data fingerprints {texts}), so their losses do not compare")
     per_step = differing({label: (f"{n:,.0f}" if n is not None else None)
                           for label, n in ((label, tokens_per_step(c)) for label, c in drawn.items())})
     if x == "step" and per_step:

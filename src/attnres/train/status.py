@@ -41,7 +41,8 @@ class RunStatus:
     that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
     or a lock left by a process of another host); ``config_error``: why its ``config.json``
     cannot be read, and where the model and ``steps`` came from instead; ``tokenizer``: what its
-    losses are per token of (:func:`tokenizer_description`)."""
+    losses are per token of (:func:`tokenizer_description`); ``data``: the text it trained on
+    (:func:`data_fingerprint`)."""
 
     path: str
     residual: str | None
@@ -58,6 +59,7 @@ class RunStatus:
     holder: str | None = None
     config_error: str | None = None
     tokenizer: str | None = None
+    data: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,7 +134,8 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      step=step, steps=steps, train_loss=train[-1].get("loss") if train else None,
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
-                     state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config))
+                     state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
+                     data=data_fingerprint(newest))
 
 
 def tokenizer_description(config: dict[str, Any]) -> str | None:
@@ -143,6 +146,24 @@ def tokenizer_description(config: dict[str, Any]) -> str | None:
     vocab = model.get("vocab_size") if isinstance(model, dict) else None
     asked = data.get("tokenizer") if isinstance(data, dict) else None
     return f"{vocab} tokens ({asked})" if isinstance(vocab, int) and isinstance(asked, str) else None
+
+
+def data_fingerprint(checkpoint: Path | None) -> str | None:
+    """The fingerprint of the text the checkpoint ``checkpoint`` (a run's newest: see
+    :func:`run_data`) trained on, its first 12 hex digits as the start-up summary gives it, read
+    from its ``state.json`` without verifying; ``None`` where there is none (a run copied
+    without its checkpoints) or it does not read."""
+    try:
+        data = json.loads((checkpoint / STATE_FILE).read_text()).get("data") if checkpoint is not None else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    fingerprint = data.get("fingerprint") if isinstance(data, dict) else None
+    return fingerprint[:12] if isinstance(fingerprint, str) else None
+
+
+def run_data(run: str | Path) -> str | None:
+    """:func:`data_fingerprint` of the run directory ``run``'s newest checkpoint."""
+    return data_fingerprint(latest_checkpoint(Path(run)))
 
 
 def _run_config(path: Path, newest: Path | None) -> tuple[dict[str, Any], str | None]:
