@@ -508,6 +508,23 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
         load_corpus([str(tmp_path / "late.txt")])
 
 
+def test_a_jsonl_line_that_is_not_json_says_where_and_why(tmp_path):
+    """A .jsonl file whose last line was cut short (a download or write stopped part-way) was
+    refused as "not valid JSON (Unterminated string starting at)": json's message without the
+    place it names. The column is given, and a last line without its line break is said to
+    look cut short."""
+    good = json.dumps({"text": "a document"}) + "\n"
+    (tmp_path / "cut.jsonl").write_text(good * 3 + '{"text": "a docu')
+    with pytest.raises(ValueError, match=r"cut.jsonl:4: not valid JSON \(Unterminated string starting at: column 10\); "
+                                         r"its last line, without a line break: cut short\? Every line of a .jsonl "
+                                         r"file is one JSON object$"):
+        load_corpus([str(tmp_path / "cut.jsonl")])
+    (tmp_path / "bad.jsonl").write_text(good + "{'text': 'single quotes'}\n" + good)
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON \(Expecting property name enclosed in double "
+                                         r"quotes: column 2\); every line of a .jsonl file is one JSON object$"):
+        load_corpus([str(tmp_path / "bad.jsonl")])
+
+
 def test_text_in_another_encoding_says_how_to_convert_it(tmp_path, monkeypatch):
     """A Latin-1 file was told "give a text file" (it is one); a UTF-16 file (Notepad's "Unicode")
     the same at byte 0; one without a byte-order mark, ASCII text every other byte, read as

@@ -145,7 +145,10 @@ def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                # (e.msg alone ends "... starting at": the place is in colno)
+                cut = "its last line, without a line break: cut short? Every" if not line.endswith("\n") else "every"
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno}); {cut} line of a "
+                                 ".jsonl file is one JSON object") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
                                  f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); data.text_field names "
