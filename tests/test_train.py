@@ -731,6 +731,12 @@ def test_the_start_up_summary_does_not_say_the_bytes_were_made_from_the_data(tmp
     train(load_config(None, overrides(corpus_file, tmp_path / "bpe", steps=1, warmup_steps=0,
                                       **{"data.tokenizer": "bpe", "data.vocab_size": 300})))
     assert re.search(r"; tokenizer bpe, \d+ tokens, made from the data; fingerprint ", capsys.readouterr().out)
+    # a BPE that stops short of data.vocab_size (a small text: no pair left to merge) says so: it gave 1117
+    # tokens of the default 4096 with no word of the 4096 asked for
+    train(load_config(None, overrides(corpus_file, tmp_path / "short", steps=1, warmup_steps=0,
+                                      **{"data.tokenizer": "bpe", "data.vocab_size": 60000})))
+    assert re.search(r"; tokenizer bpe, \d+ tokens, made from the data \(of data.vocab_size=60000: this text holds no "
+                     r"more merges\); fingerprint ", capsys.readouterr().out)
 
 
 def test_tokens_per_second_leave_out_evaluations_diagnostics_and_checkpoints(tmp_path, corpus_file, monkeypatch):
