@@ -129,7 +129,14 @@ def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file,
     config_file = tmp_path / "c.yaml"
     # (its own data: the default corpus is an optional package's, which a GPU machine may lack)
     config_file.write_text(f"steps: 6\ndata:\n  paths: [{corpus_file}]\n")
-    with pytest.raises(SystemExit, match="the config differs in"):
+    # (a config file without the first command's overrides: it said to use init_from, a fresh start, and not how
+    # the run goes on as it was)
+    with pytest.raises(SystemExit, match=r"the config differs in \[.*'model.d_model'.*\] \(.*model.d_model: 48 there, "
+                                         r"64 here.*; " + re.escape(
+                                             "to continue the run as it was, set those fields as the checkpoint has "
+                                             "them, or resume it with its own config: `attnres train "
+                                             f"out_dir={tmp_path / 'split'} --resume`, with no config file and no "
+                                             "override of them; only [")):
         cli_main(["train", str(config_file), "--resume", f"out_dir={tmp_path / 'split'}"])
 
 

@@ -159,9 +159,12 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             return repr(values[k]) if k in values else "not set"
 
         values = ", ".join(f"{k}: {said(old, k)} there, {said(new, k)} here" for k in differing)
+        # (a config file or an override the first command did not have: the run goes on with its own config)
         raise ValueError(f"cannot resume from {str(source.path)!r}: the config differs in {differing} ({values}; "
-                         f"only {sorted(RESUMABLE_CHANGES)} may change on resume; to start over from these weights "
-                         "with other settings, use init_from)")
+                         "to continue the run as it was, set those fields as the checkpoint has them, or resume it with "
+                         f"its own config: `attnres train out_dir={shell_path(str(new['out_dir']))} --resume`, with no "
+                         f"config file and no override of them; only {sorted(RESUMABLE_CHANGES)} may change on resume; "
+                         "to start over from these weights with other settings, use init_from)")
     step = source.step
     if current["steps"] < step:
         raise ValueError(f"cannot resume from {str(source.path)!r}: steps={current['steps']} is below the checkpoint's "
