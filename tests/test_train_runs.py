@@ -197,6 +197,10 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
     # The checkpoint's tokenizer carried on (same ids); the new data's fingerprint is recorded.
     assert (result.checkpoint / "tokenizer.json").read_text() == stored
     assert after["data"]["fingerprint"] == load_corpus([str(corpus_file)]).digest
+    # the log says where its validation losses change text (they were drawn as one curve without a word)
+    changes = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "data_change"]
+    assert changes == [{"kind": "data_change", "step": 3, "fingerprint": after["data"]["fingerprint"],
+                        "before": read_checkpoint_state(run / "checkpoints" / "step-00000003")["data"]["fingerprint"]}]
 
 
 def test_a_resume_onto_other_data_takes_no_earlier_version_s_cache_of_it(tmp_path, corpus_file):
