@@ -393,6 +393,12 @@ def test_missing_and_empty_data(tmp_path):
         load_corpus([str(tmp_path / "d")])
     pattern = str(info.value).rsplit("data.paths=[", 1)[1][:-2]
     assert len(load_corpus([pattern], read=False).files) == 2  # the pattern it names reads them
+    (tmp_path / "r" / "run" / "checkpoints").mkdir(parents=True)  # a training run's files: no data, no pattern
+    for name in ("metrics.jsonl", "config.json", "checkpoints/state.json"):
+        (tmp_path / "r" / "run" / name).write_text("{}\n")
+    with pytest.warns(UserWarning, match="outputs of the training run"), \
+            pytest.raises(ValueError, match="holds no .txt or .jsonl files$"):
+        load_corpus([str(tmp_path / "r")])
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match='bad.jsonl:1: .*"text"'):
         load_corpus([str(tmp_path / "bad.jsonl")])

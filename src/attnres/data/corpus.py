@@ -215,7 +215,10 @@ def _other_files_hint(path: Path, found: list[Path]) -> str:
     """For a data directory without text files: the files it holds instead, and the pattern
     that reads those of their most common ending as text (a folder of ``.md`` notes was
     refused saying only that it held no ``.txt`` files); ``""`` where it holds none."""
-    others = sorted(p for p in found if p.is_file() and not _is_compressed_text(p))
+    runs = {p.parent for p in found if p.name == "metrics.jsonl" and ((p.parent / "config.json").is_file()
+                                                                      or (p.parent / "checkpoints").is_dir())}
+    others = sorted(p for p in found if p.is_file() and not _is_compressed_text(p)  # (a run's files are no data)
+                    and not any(p.is_relative_to(run) for run in runs))
     if not others:
         return ""
     endings = Counter(p.suffix for p in others if p.suffix)
