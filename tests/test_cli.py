@@ -227,6 +227,12 @@ def test_config_file_as_a_positional_argument(capsys, tmp_path, monkeypatch):
             cli_main(["train", given, "--print-config"])
         err = capsys.readouterr().err
         assert f"error: config file '{given}' does not exist" in err and f"(did you mean '{meant}'?)" in err, err
+    # where no configs/ is here (an installed wheel, another directory): the shipped config, not "'.' holds no 'confgs'"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(SystemExit):
+        cli_main(["train", "confgs/train-cpu.yaml", "--print-config"])
+    assert "(did you mean 'configs/train-cpu.yaml', shipped with attnres?)" in capsys.readouterr().err
 
 
 def test_a_config_file_with_an_equals_sign_in_its_name_is_told_to_take_config(tmp_path, monkeypatch, capsys):

@@ -641,7 +641,9 @@ def _config_hint(p: Path) -> str:
     ``configs/`` here (an installed wheel), the nearest config shipped with attnres."""
     hint = missing_path_hint(p)
     shipped = sorted(q.name for q in SHIPPED_CONFIGS.glob("*.yaml")) if SHIPPED_CONFIGS.is_dir() else []
-    if "did you mean" not in hint and str(p.parent) in ("configs", ".") and nearest(p.name, shipped):
+    # (confgs/train-cpu.yaml where no configs/ is here: "'.' holds no 'confgs'", not the shipped one)
+    folder = str(p.parent) in ("configs", ".") or (len(p.parts) == 2 and nearest(str(p.parent), ["configs"]))
+    if "did you mean" not in hint and folder and nearest(p.name, shipped):
         return f" (did you mean 'configs/{nearest(p.name, shipped)}', shipped with attnres?)"
     return hint
 
