@@ -39,6 +39,19 @@ def torchrun(nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subpr
     return proc
 
 
+def run_doc_example(doc: str, name: str, checks: str, tmp_path: Path) -> str:
+    """Run the ``python`` block of ``docs/<doc>`` as its first line says (``# NAME - run it as:
+    torchrun --nproc-per-node 2 NAME``), saved as ``NAME`` with ``checks`` (Python run after
+    it) appended; the launch's standard output."""
+    import re
+
+    block = re.search(r"```python\n(.*?)```", (SRC.parent / "docs" / doc).read_text(), re.S).group(1)
+    assert block.startswith(f"# {name} - run it as: torchrun --nproc-per-node 2 {name}\n"), block[:200]
+    script = tmp_path / name
+    script.write_text(block + checks)
+    return torchrun(2, str(script)).stdout
+
+
 def torchrun_agents(args: list[str], nnodes: int = 2, nproc: int = 1, cwd: Path | None = None,
                     wrap: dict[int, list[str]] | None = None, timeout: float = LAUNCH_TIMEOUT_S,
                     env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:

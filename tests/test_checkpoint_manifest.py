@@ -48,6 +48,25 @@ def test_a_newer_format_says_to_upgrade(tmp_path):
         read_checkpoint_state(ckpt)
 
 
+
+def test_a_newer_format_is_not_skipped_as_damaged(tmp_path):
+    """A run's newest checkpoint written by a newer attnres stops a resume (upgrade): it was
+    renamed corrupt-step-* and the run fell back to the one before, training again the steps
+    the newer version had taken and burying them."""
+    from attnres.checkpoint import find_valid_checkpoint
+
+    older = _write(tmp_path)
+    model = nn.Linear(3, 2)
+    newer = write_checkpoint(tmp_path / "run", 2, model.state_dict(), torch.optim.AdamW(model.parameters()).state_dict(),
+                             {"note": "x"}, keep=2)
+    _edit(newer, lambda d: d.update(format_version=2))
+    for set_aside in (True, False):
+        with pytest.raises(CheckpointError, match=r"written by a newer attnres .*upgrade attnres.*"
+                                                  r"or name an older checkpoint.*step-00000001"):
+            find_valid_checkpoint(tmp_path / "run", set_aside=set_aside, resuming=set_aside)
+        assert newer.is_dir() and older.is_dir()  # nothing set aside
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "rng.safetensors"])
 def test_a_file_the_manifest_does_not_list_is_not_read(tmp_path, name):
     ckpt = _write(tmp_path)

@@ -200,7 +200,7 @@ def test_overrides_on_both_sides_of_resume(tmp_path, capsys):
         "attnres train: error: 'not-an-override' is neither a key=value override nor a config file")
 
 
-def test_config_file_as_a_positional_argument(capsys, tmp_path):
+def test_config_file_as_a_positional_argument(capsys, tmp_path, monkeypatch):
     """``attnres train run.yaml key=value`` (what users type, and what the multi-node recipe
     passes) is ``--config run.yaml``; one config file at most, and an argument that is neither
     a file nor ``key=value`` is refused naming it."""
@@ -216,8 +216,23 @@ def test_config_file_as_a_positional_argument(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli_main(["train", str(tmp_path / "missing.yaml"), "--print-config"])
     err = capsys.readouterr().err
-    assert "attnres train: error: '" + str(tmp_path / "missing.yaml") + "' is neither a key=value override nor a config file" in err
+    # (as --config says it, with the nearest name: it was "'...' is neither a key=value override nor a config file")
+    assert "attnres train: error: config file '" + str(tmp_path / "missing.yaml") + "' does not exist" in err
     assert err.startswith("usage: attnres train ")  # train's usage, not the top level's
+    (tmp_path / "configs").mkdir()
+    cfg.rename(tmp_path / "configs" / "run.yaml")
+    monkeypatch.chdir(tmp_path)
+    for given, meant in (("confgs/run.yaml", "configs"), ("configs/rnu.yaml", "run.yaml")):
+        with pytest.raises(SystemExit):
+            cli_main(["train", given, "--print-config"])
+        err = capsys.readouterr().err
+        assert f"error: config file '{given}' does not exist" in err and f"(did you mean '{meant}'?)" in err, err
+    # where no configs/ is here (an installed wheel, another directory): the shipped config, not "'.' holds no 'confgs'"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(SystemExit):
+        cli_main(["train", "confgs/train-cpu.yaml", "--print-config"])
+    assert "(did you mean 'configs/train-cpu.yaml', shipped with attnres?)" in capsys.readouterr().err
 
 
 def test_a_config_file_with_an_equals_sign_in_its_name_is_told_to_take_config(tmp_path, monkeypatch, capsys):

@@ -491,7 +491,8 @@ def test_tied_embeddings():
         ("residual.eps", 0.0, "> 0"),
         ("residual.hc_streams", 0, "integer >= 1"),
         ("residual.ablation.heads", 5, "divisor of d_model"),
-        ("n_kv_heads", 3, "divisor of n_heads"),
+        ("n_kv_heads", 3, "divisor of n_heads=4: 1, 2 or 4 (or null: = n_heads)"),  # (the ones it takes: a preset's
+        # n_kv_heads=2 met model.n_heads=3 with no word of what would do)
         ("n_layers", 0, "integer >= 1"),
         ("vocab_size", True, "integer >= 1"),
         ("norm_eps", -1.0, "> 0"),

@@ -344,17 +344,13 @@ def test_the_documented_python_example_runs_as_written_on_two_ranks(tmp_path):
     and launched as it says (``torchrun --nproc-per-node 2``): every rank's loss is the
     single-process model's on the same batch. The block used ``device``, ``input_ids`` and
     ``labels`` without defining them and ``ModelConfig(...)``: it stopped at its first line."""
-    from distributed_utils import torchrun
+    from distributed_utils import run_doc_example
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "distributed-pipeline.md").read_text()
-    block = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
-    assert block.startswith("# pipeline_example.py - run it as: torchrun --nproc-per-node 2 pipeline_example.py\n")
-    script = tmp_path / "pipeline_example.py"
-    script.write_text(block + "\ntorch.manual_seed(0)\n"
-                      "reference = AttnResLM(config)(input_ids, labels).loss\n"
-                      "assert torch.allclose(loss, reference, rtol=1e-5), (loss, reference)\n"
-                      "print(f\"equal to one process on rank {os.environ['RANK']}\")\n")
-    out = torchrun(2, str(script)).stdout
+    out = run_doc_example("distributed-pipeline.md", "pipeline_example.py",
+                          "\ntorch.manual_seed(0)\n"
+                          "reference = AttnResLM(config)(input_ids, labels).loss\n"
+                          "assert torch.allclose(loss, reference, rtol=1e-5), (loss, reference)\n"
+                          "print(f\"equal to one process on rank {os.environ['RANK']}\")\n", tmp_path)
     for rank in (0, 1):
         # Not anchored to lines: the ranks share one pipe, and unbuffered, a print writes its
         # text and its newline apart, so one rank's line may land inside another's (CI saw

@@ -229,6 +229,25 @@ def test_runs_that_do_not_compare_are_said_so(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # at equal data: nothing to say
         assert cli_main(["plot", str(root / "bpe"), str(root / "long"), "--out", out, "--x", "tokens"]) == 0
+    # one tokenizer on other text (the newest checkpoints' data fingerprints): drawn side by side without a word
+    for name, fingerprint in (("bpe", "a" * 64), ("long", "b" * 64)):
+        (root / name / "checkpoints" / "step-00000002").mkdir(parents=True)
+        (root / name / "checkpoints" / "step-00000002" / "state.json").write_text(
+            json.dumps({"data": {"fingerprint": fingerprint}}))
+    with pytest.warns(UserWarning) as shown:
+        assert cli_main(["plot", str(root / "bpe"), str(root / "long"), "--out", out, "--x", "tokens"]) == 0
+    assert [str(w.message) for w in shown] == [
+        f"the runs trained on different text (data fingerprints bpe: {'a' * 12}, long: {'b' * 12}), so their losses "
+        "do not compare"]
+    # one run resumed onto other text (allow_data_change): its validation curve is of two texts
+    resumed = write_run(root / "resumed", [train_record(2, 4.0), eval_record(2, 4.1),
+                                           {"kind": "data_change", "step": 2, "fingerprint": "b" * 64, "before": "a" * 64},
+                                           train_record(4, 3.0), eval_record(4, 3.5)])
+    with pytest.warns(UserWarning) as shown:
+        assert cli_main(["plot", str(resumed), "--out", out]) == 0
+    assert [str(w.message) for w in shown] == [
+        "resumed was resumed onto other text (allow_data_change) at step 2: its validation loss before and after is "
+        "of two texts' validation splits, which do not compare"]
 
 
 def test_every_run_of_a_large_grid_is_drawn_its_own_way(runs):

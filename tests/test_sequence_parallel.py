@@ -154,3 +154,24 @@ def test_sharded_prefill_on_a_rank_outside_its_group_says_so(monkeypatch):
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+def test_the_documented_example_runs_as_written_on_two_ranks(tmp_path):
+    """docs/distributed.md's ``python`` block (the section had none to run: only the benchmark,
+    which writes into the repository's results), saved as the file its first line names and
+    launched as it says: the gathered logits are one process's, the decoding step from the
+    sharded cache is the whole sequence's, and each rank holds the embedding and 2 blocks of
+    its 32 positions."""
+    import re
+
+    from distributed_utils import run_doc_example
+
+    out = run_doc_example("distributed.md", "prefill_example.py",
+                          "\nwith torch.no_grad():\n"
+                          "    assert torch.allclose(logits, model(prompt).logits, rtol=1e-5, atol=1e-6)\n"
+                          "    whole = model(torch.cat([prompt, next_id], 1)).logits[:, -1:]\n"
+                          "    assert torch.allclose(step, whole, rtol=1e-5, atol=1e-6)\n"
+                          "print(f\"equal to one process on rank {shard.start // 32}\")\n", tmp_path)
+    for rank in (0, 1):  # (not anchored to lines: the ranks share one pipe, see test_pipeline's)
+        assert re.search(rf"rank {rank}: positions from {32 * rank}, 3 depth sources of 24576 bytes", out), out
+        assert f"equal to one process on rank {rank}" in out, out

@@ -346,6 +346,27 @@ def test_runs_of_different_tokenizers_are_said_not_to_compare(runs, tmp_path, ca
     assert "tokenizers" not in capsys.readouterr().out
 
 
+def test_runs_of_one_tokenizer_on_different_text_are_said_not_to_compare(runs, tmp_path, capsys):
+    """A baseline on one corpus beside a variant on another (one tokenizer) was set side by
+    side without a word; a line below the table names each text's fingerprint and a run of it.
+    Runs of one text (a grid's seeds) and runs without checkpoints (no fingerprint) say nothing."""
+    for name in ("a", "b"):
+        shutil.copytree(runs / "done", tmp_path / "runs" / name)
+    state_file = tmp_path / "runs" / "b" / "checkpoints" / "step-00000006" / "state.json"
+    state = json.loads(state_file.read_text())
+    a = state["data"]["fingerprint"]
+    state["data"]["fingerprint"] = "f" * 64  # (another text: status reads state.json without verifying it)
+    state_file.write_text(json.dumps(state))
+    assert run_status(tmp_path / "runs" / "b").data == "f" * 12 and run_status(runs / "done").data == a[:12]
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"the runs trained on different text (data fingerprints {a[:12]} ({tmp_path / 'runs' / 'a'}), "
+        f"{'f' * 12} ({tmp_path / 'runs' / 'b'})), so their losses do not compare")
+    shutil.rmtree(tmp_path / "runs" / "b" / "checkpoints")
+    assert cli_main(["status", str(tmp_path / "runs"), str(runs / "done")]) == 0
+    assert "different text" not in capsys.readouterr().out
+
+
 def test_a_finished_run_copied_without_its_checkpoints_is_finished(runs, tmp_path):
     """Runs copied without their checkpoints (as results/ holds the committed grids) were
     called "stopped" at step 3600 of 3600, though nothing continues them. One whose log

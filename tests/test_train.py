@@ -129,7 +129,14 @@ def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file,
     config_file = tmp_path / "c.yaml"
     # (its own data: the default corpus is an optional package's, which a GPU machine may lack)
     config_file.write_text(f"steps: 6\ndata:\n  paths: [{corpus_file}]\n")
-    with pytest.raises(SystemExit, match="the config differs in"):
+    # (a config file without the first command's overrides: it said to use init_from, a fresh start, and not how
+    # the run goes on as it was)
+    with pytest.raises(SystemExit, match=r"the config differs in \[.*'model.d_model'.*\] \(.*model.d_model: 48 there, "
+                                         r"64 here.*; " + re.escape(
+                                             "to continue the run as it was, set those fields as the checkpoint has "
+                                             "them, or resume it with its own config: `attnres train "
+                                             f"out_dir={tmp_path / 'split'} --resume`, with no config file and no "
+                                             "override of them; only [")):
         cli_main(["train", str(config_file), "--resume", f"out_dir={tmp_path / 'split'}"])
 
 
@@ -365,17 +372,33 @@ def test_missing_and_empty_data(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_corpus([str(tmp_path / "nope.txt")])
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="is empty"):
+    # (the field and the fix: it said only "data file '.../empty.txt' is empty")
+    with pytest.raises(ValueError, match="is empty: data.paths names it.*or leave it out of data.paths$"):
         load_corpus([str(tmp_path / "empty.txt")])
     (tmp_path / "blank.txt").write_text("  \n\n")
-    with pytest.raises(ValueError, match="holds no text"):
+    with pytest.raises(ValueError, match=r"holds no text \(whitespace only\): data.paths names it.*leave it out of "
+                                         "data.paths$"):
         load_corpus([str(tmp_path / "blank.txt")])
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(ValueError, match="is not UTF-8 text"):
         load_corpus([str(tmp_path / "latin1.txt")])
     (tmp_path / "d").mkdir()
-    with pytest.raises(ValueError, match="holds no .txt or .jsonl files"):
+    with pytest.raises(ValueError, match="holds no .txt or .jsonl files$"):
         load_corpus([str(tmp_path / "d")])
+    for name in ("a.md", "b.md", "c.rst"):  # (was only "holds no .txt or .jsonl files")
+        (tmp_path / "d" / name).write_text("notes\n")
+    with pytest.raises(ValueError, match=r"holds no .txt or .jsonl files \(it holds 3 other file\(s\), '.*a.md', "
+                                         r"'.*b.md', '.*c.rst'; a pattern reads other files as text: "
+                                         r"data.paths=\[.*d/\*\*/\*.md\]\)$") as info:
+        load_corpus([str(tmp_path / "d")])
+    pattern = str(info.value).rsplit("data.paths=[", 1)[1][:-2]
+    assert len(load_corpus([pattern], read=False).files) == 2  # the pattern it names reads them
+    (tmp_path / "r" / "run" / "checkpoints").mkdir(parents=True)  # a training run's files: no data, no pattern
+    for name in ("metrics.jsonl", "config.json", "checkpoints/state.json"):
+        (tmp_path / "r" / "run" / name).write_text("{}\n")
+    with pytest.warns(UserWarning, match="outputs of the training run"), \
+            pytest.raises(ValueError, match="holds no .txt or .jsonl files$"):
+        load_corpus([str(tmp_path / "r")])
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match='bad.jsonl:1: .*"text"'):
         load_corpus([str(tmp_path / "bad.jsonl")])
@@ -498,6 +521,23 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
         load_corpus([str(tmp_path / "late.txt")])
 
 
+def test_a_jsonl_line_that_is_not_json_says_where_and_why(tmp_path):
+    """A .jsonl file whose last line was cut short (a download or write stopped part-way) was
+    refused as "not valid JSON (Unterminated string starting at)": json's message without the
+    place it names. The column is given, and a last line without its line break is said to
+    look cut short."""
+    good = json.dumps({"text": "a document"}) + "\n"
+    (tmp_path / "cut.jsonl").write_text(good * 3 + '{"text": "a docu')
+    with pytest.raises(ValueError, match=r"cut.jsonl:4: not valid JSON \(Unterminated string starting at: column 10\); "
+                                         r"its last line, without a line break: cut short\? Every line of a .jsonl "
+                                         r"file is one JSON object$"):
+        load_corpus([str(tmp_path / "cut.jsonl")])
+    (tmp_path / "bad.jsonl").write_text(good + "{'text': 'single quotes'}\n" + good)
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON \(Expecting property name enclosed in double "
+                                         r"quotes: column 2\); every line of a .jsonl file is one JSON object$"):
+        load_corpus([str(tmp_path / "bad.jsonl")])
+
+
 def test_text_in_another_encoding_says_how_to_convert_it(tmp_path, monkeypatch):
     """A Latin-1 file was told "give a text file" (it is one); a UTF-16 file (Notepad's "Unicode")
     the same at byte 0; one without a byte-order mark, ASCII text every other byte, read as
@@ -583,13 +623,21 @@ def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
         load_config(None, ["data.paths=[*.txt]"])
 
 
-@pytest.mark.parametrize("override", ["data.paths=[${DATA}/a.txt]", "data.paths=[a.txt, b.txt", "model={d_model: 64"])
-def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override):
+@pytest.mark.parametrize("override, hint", [
+    ("data.paths=[${DATA}/a.txt]", "quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'"),
+    # (a ] or } left out, or the shell's split of an unquoted data.paths=[a.txt b.txt]: it was told to quote items)
+    ("data.paths=[a.txt, b.txt", "its [ is never closed: end the list with ] (quoted whole where it holds spaces, "
+                                 "\"data.paths=[a.txt, b.txt]\")"),
+    ("data.paths=[a.txt", "its [ is never closed: end the list with ]"),
+    ("model={d_model: 64", "its { is never closed: end the mapping with } (quoted whole where it holds spaces, "
+                           "\"model={d_model: 64}\")"),
+])
+def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override, hint):
     """``data.paths=[${DATA}/a.txt]`` (single-quoted, or from a script) is not valid YAML, and
     was taken as one path, '[/data/a.txt]', refused as a glob pattern that matches nothing
-    "(in a YAML list an item that starts with * must be quoted)"."""
+    "(in a YAML list an item that starts with * must be quoted)"; one never closed says so."""
     with pytest.raises(ValueError, match=re.escape(f"override {override!r}: its value is not valid YAML (") + r".*\); "
-                       r"quote an item holding \$\{, \{, \}, ' #' or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
+                       + re.escape(hint)):
         load_config(None, [override])
 
 
@@ -696,6 +744,12 @@ def test_the_start_up_summary_does_not_say_the_bytes_were_made_from_the_data(tmp
     train(load_config(None, overrides(corpus_file, tmp_path / "bpe", steps=1, warmup_steps=0,
                                       **{"data.tokenizer": "bpe", "data.vocab_size": 300})))
     assert re.search(r"; tokenizer bpe, \d+ tokens, made from the data; fingerprint ", capsys.readouterr().out)
+    # a BPE that stops short of data.vocab_size (a small text: no pair left to merge) says so: it gave 1117
+    # tokens of the default 4096 with no word of the 4096 asked for
+    train(load_config(None, overrides(corpus_file, tmp_path / "short", steps=1, warmup_steps=0,
+                                      **{"data.tokenizer": "bpe", "data.vocab_size": 60000})))
+    assert re.search(r"; tokenizer bpe, \d+ tokens, made from the data \(of data.vocab_size=60000: this text holds no "
+                     r"more merges\); fingerprint ", capsys.readouterr().out)
 
 
 def test_tokens_per_second_leave_out_evaluations_diagnostics_and_checkpoints(tmp_path, corpus_file, monkeypatch):
@@ -926,6 +980,19 @@ def test_a_refused_value_says_how_to_write_it(override, said):
     with pytest.raises(ValueError) as info:
         load_config(None, ["model=tiny", override])
     assert said in str(info.value)
+
+
+def test_a_tokenizer_directory_named_without_a_slash_is_said_to_want_one(tmp_path, monkeypatch):
+    """data.tokenizer=mytok, a directory beside the command holding a tokenizer.json, is
+    refused (a misspelt kind must not be looked for as a file); the error said what a path
+    looks like, not that this one is there and how to write it."""
+    (tmp_path / "mytok").mkdir()
+    (tmp_path / "mytok" / "tokenizer.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"got 'mytok' \('mytok' is a path here: write it ./mytok\)"):
+        load_config(None, ["model=tiny", "data.tokenizer=mytok"])
+    with pytest.raises(ValueError, match=r"got 'bpr' \(did you mean 'bpe'\?\)$"):  # no such path: as before
+        load_config(None, ["model=tiny", "data.tokenizer=bpr"])
 
 
 @pytest.mark.parametrize("path", ["1e3", "yes", "2024-01-01"])

@@ -146,6 +146,11 @@ def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkey
         load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": "bpr"}))
     with pytest.raises(ValueError, match=r"data.tokenizer '.*nope.json' does not exist: give a tokenizer.json"):
         train(load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": str(tmp_path / "nope.json")})))
+    for misspelt, meant in (("tk", "tok"), ("tok/tokenizr.json", "tokenizer.json")):  # (the nearest name: was none)
+        with pytest.raises(ValueError, match=rf"data.tokenizer '.*{misspelt}' does not exist \(did you mean "
+                                             rf"'{meant}'\?\): give a tokenizer.json"):
+            train(load_config(None, overrides(corpus_file, tmp_path / "x",
+                                              **{"data.tokenizer": str(tmp_path / misspelt)})))
     (tmp_path / "notes.json").write_text("plain text")
     with pytest.raises(ValueError, match=r"cannot read tokenizer file '.*notes.json' \(a tokenizer.json of the "
                                          r"tokenizers library, as a checkpoint or attnres export holds\): "):
@@ -192,6 +197,10 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
     # The checkpoint's tokenizer carried on (same ids); the new data's fingerprint is recorded.
     assert (result.checkpoint / "tokenizer.json").read_text() == stored
     assert after["data"]["fingerprint"] == load_corpus([str(corpus_file)]).digest
+    # the log says where its validation losses change text (they were drawn as one curve without a word)
+    changes = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "data_change"]
+    assert changes == [{"kind": "data_change", "step": 3, "fingerprint": after["data"]["fingerprint"],
+                        "before": read_checkpoint_state(run / "checkpoints" / "step-00000003")["data"]["fingerprint"]}]
 
 
 def test_a_resume_onto_other_data_takes_no_earlier_version_s_cache_of_it(tmp_path, corpus_file):
@@ -501,6 +510,29 @@ def test_resume_from_an_earlier_checkpoint(tmp_path, corpus_file):
     assert_same_weights(final_weights(tmp_path / "full"), final_weights(split))
     steps = [r["step"] for r in read_metrics(split / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 7))
+
+
+def test_resume_from_without_out_dir_names_the_run_instead_of_the_default(tmp_path, corpus_file, monkeypatch):
+    """``attnres train --resume-from runs/a/checkpoints/step-2`` with no config file and no
+    out_dir continued run a into the default out_dir, runs/attnres (said only in the
+    summary's out_dir), a second run of the same steps beside the first; it now says so and
+    names the two out_dirs meant. The checkpoint's own run as out_dir, and any other, go on."""
+    monkeypatch.chdir(tmp_path)
+    a = tmp_path / "a"
+    train(load_config(None, overrides(corpus_file, a, stop_after=4, checkpoint_every=2)))
+    earlier = a / "checkpoints" / "step-00000002"
+    with pytest.raises(SystemExit, match=rf"resume_from='{earlier}' without out_dir would continue it into the default "
+                       rf"out_dir 'runs/attnres', not its run: give out_dir={a} to continue that run \(its checkpoints "
+                       r"after step-00000002 set aside as superseded\), or out_dir=DIR to continue it in a new "
+                       r"directory$"):
+        cli_main(["train", "--resume-from", str(earlier), "progress=false"])
+    with pytest.raises(SystemExit, match=rf"resume_from='{a}' without out_dir .* give out_dir={a} to continue that "
+                       "run, or out_dir=DIR"):  # (its newest: none set aside)
+        cli_main(["train", "--resume-from", str(a), "progress=false"])
+    assert not (tmp_path / "runs").exists()
+    assert cli_main(["train", "--resume-from", str(earlier), f"out_dir={a}", "stop_after=3", "progress=false"]) == 0
+    assert cli_main(["train", "--resume-from", str(a), f"out_dir={tmp_path / 'b'}", "stop_after=4",
+                     "progress=false"]) == 0
 
 
 def test_resume_from_another_runs_checkpoint_into_a_run_directory_is_refused(tmp_path, corpus_file):

@@ -337,6 +337,8 @@ class ChoiceOrPath(Choice):
         return f"{super().describe()}, or {self.path}"
 
     def hint(self, value: Any) -> str:
+        if isinstance(value, str) and value and os.path.exists(value):  # (mytok, a folder here: only its '/' missing)
+            return f" ({value!r} is a path here: write it ./{value})"
         return yaml_typed_hint(value) or super().hint(value)
 
 

@@ -18,7 +18,7 @@ from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
 from ..shell_words import shell_path
 from ..user_warning import warn_user
 from ..validation import missing_path_hint
-from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
+from .manifest import STATE_FILE, CheckpointError, CheckpointFormatTooNew, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["CheckpointRemoved", "Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
@@ -416,7 +416,9 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
     """The newest checkpoint at ``location`` that verifies: ``location`` is a ``step-*``
     directory (it must verify) or a run directory (its checkpoints, newest first). Each one
     that fails verification, when an older one verifies, is reported with a warning and, with
-    ``set_aside`` (the run's own directory, under its lock), renamed to ``corrupt-step-*``.
+    ``set_aside`` (the run's own directory, under its lock), renamed to ``corrupt-step-*``;
+    one of a newer attnres's format is not damaged and stops the search
+    (:class:`~attnres.checkpoint.manifest.CheckpointFormatTooNew`: upgrade, or name an older one).
     ``None`` when the run directory holds no checkpoint; :class:`CheckpointError` naming
     every problem when none verifies (nothing is renamed then), with what to do next: for a
     training run ``resuming`` it, how to start over; otherwise, what else to load. One
@@ -443,6 +445,9 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
                                       "aside and name the copy") from None
             candidates = [p for p in checkpoint_dirs(run) if p not in {b for b, _ in bad}]
             continue
+        except CheckpointFormatTooNew as e:  # not damaged: falling back would bury the newer version's steps
+            older = f" ({candidates[-1].name} is the newest before it)" if candidates else ""
+            raise CheckpointFormatTooNew(f"{e}, or name an older checkpoint of the run to use that one{older}") from None
         except CheckpointError as e:
             bad.append((path, str(e)))
             continue

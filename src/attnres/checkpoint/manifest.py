@@ -44,6 +44,12 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted or does not fit the model/config."""
 
 
+class CheckpointFormatTooNew(CheckpointError):
+    """A checkpoint written by a newer attnres (a format this version does not read): not
+    damaged, so a run's newest one is not skipped for an older one (see
+    :func:`attnres.checkpoint.find_valid_checkpoint`)."""
+
+
 class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (a full disk, a read-only file system, a rank's
     shard out of rank 0's sight). Nothing of it was published; the checkpoints written
@@ -169,8 +175,8 @@ def _check_format(path: Path, doc: Any) -> None:
         raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not an attnres checkpoint manifest (no "
                               "format_version and files)")
     if version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} was written by a newer attnres (checkpoint format {version}); "
-                              f"this version reads format {FORMAT_VERSION}: upgrade attnres to load it")
+        raise CheckpointFormatTooNew(f"checkpoint {str(path)!r} was written by a newer attnres (checkpoint format "
+                                     f"{version}); this version reads format {FORMAT_VERSION}: upgrade attnres to load it")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {str(path)!r} has checkpoint format {version}; this version reads format "
                               f"{FORMAT_VERSION} only")

@@ -37,6 +37,14 @@ def run(args, parser) -> int:
     if len(tokenizers) > 1:  # (a byte run's 1.6 beside a BPE run's 4.1: nats per byte against per word piece)
         print(f"\nthe losses are per token of different tokenizers ({', '.join(sorted(tokenizers))}), which do not "
               "compare; attnres eval gives each run's bits per byte, which do")
+    else:  # (one tokenizer: a baseline and a variant on other text looked like a comparison)
+        texts: dict[str, str] = {}
+        for s in runs:
+            if s.data is not None:
+                texts.setdefault(s.data, s.path)
+        if len(texts) > 1:
+            named = ", ".join(f"{data} ({path})" for data, path in texts.items())
+            print(f"\nthe runs trained on different text (data fingerprints {named}), so their losses do not compare")
     stopped = [s.path for s in runs if s.state == "stopped" and s.checkpoint_step is not None]
     if stopped:
         print(f"\ncontinue a stopped run with {_continue_command(stopped[0])}")

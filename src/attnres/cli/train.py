@@ -79,10 +79,11 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
     if files and os.path.isdir(files[0]):
         parser.error(f"{files[0]!r} is a directory, not a config file (a YAML file) or a key=value override")
     if files:
-        from ..train.config import config_path  # configs/NAME.yaml: also the shipped one
+        from ..train.config import config_path, missing_config_error  # configs/NAME.yaml: also the shipped one
 
-        if not config_path(files[0]).is_file():
-            parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
+        if not config_path(files[0]).is_file():  # (a .yaml one: the nearest name, as --config says it)
+            parser.error(missing_config_error(files[0]) if files[0].endswith((".yaml", ".yml")) else
+                         f"{files[0]!r} is neither a key=value override nor a config file")
     return (given[0] if given else None), [a for a in arguments if "=" in a]
 
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 import math
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -153,7 +153,10 @@ def _read_jsonl(path: Path, text_field: str = TEXT_FIELD,
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                # (e.msg alone ends "... starting at": the place is in colno)
+                cut = "its last line, without a line break: cut short? Every" if not line.endswith("\n") else "every"
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno}); {cut} line of a "
+                                 ".jsonl file is one JSON object") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
                                  f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); {advice}")
@@ -207,12 +210,28 @@ def _files_of(path: Path) -> list[Path]:
     files = _without_runs(path, files)
     packed = sorted(p for p in found if _is_compressed_text(p) and p.is_file())
     if not files:
-        also = f" (only compressed ones, {_some(packed)}: {DECOMPRESS})" if packed else ""
+        also = f" (only compressed ones, {_some(packed)}: {DECOMPRESS})" if packed else _other_files_hint(path, found)
         raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files{also}")
     if packed:  # (shards of a corpus: a directory of .jsonl and .jsonl.gz lost the second kind without a word)
         warn_user(f"data directory {str(path)!r}: {len(packed)} compressed text file(s) not read: {_some(packed)}; "
                   f"{DECOMPRESS}")
     return files
+
+
+def _other_files_hint(path: Path, found: list[Path]) -> str:
+    """For a data directory without text files: the files it holds instead, and the pattern
+    that reads those of their most common ending as text (a folder of ``.md`` notes was
+    refused saying only that it held no ``.txt`` files); ``""`` where it holds none."""
+    runs = {p.parent for p in found if p.name == "metrics.jsonl" and ((p.parent / "config.json").is_file()
+                                                                      or (p.parent / "checkpoints").is_dir())}
+    others = sorted(p for p in found if p.is_file() and not _is_compressed_text(p)  # (a run's files are no data)
+                    and not any(p.is_relative_to(run) for run in runs))
+    if not others:
+        return ""
+    endings = Counter(p.suffix for p in others if p.suffix)
+    pattern = (f"; a pattern reads other files as text: data.paths=[{path / '**' / ('*' + ending)}]"
+               if (ending := max(endings, key=endings.__getitem__, default=None)) else "")
+    return f" (it holds {len(others)} other file(s), {_some(others)}{pattern})"
 
 
 #: The endings of compressed files (those of :data:`COMPRESSED`'s formats), which a data
@@ -620,7 +639,8 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 raise ValueError(f"data.paths reads the file {str(first)!r} twice ({how}): list each file or "
                                  "directory once")
             if file.stat().st_size == 0 and file == root:  # (named: a file meant to hold the text)
-                raise ValueError(f"data file {str(file)!r} is empty")
+                raise ValueError(f"data file {str(file)!r} is empty: data.paths names it, so it is meant to hold "
+                                 "text; write the text into it, or leave it out of data.paths")
             (empty if file.stat().st_size == 0 else files).append(file)
             if file != root:
                 found.append(file)
@@ -651,9 +671,10 @@ def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str,
     for file in files:
         try:
             length += sum(map(len, _read_file(file, text_field, first=True)))
-        except BlankFileError:
+        except BlankFileError as e:
             if file not in found:  # (named: a file meant to hold the text)
-                raise
+                raise BlankFileError(f"{e} (whitespace only): data.paths names it, so it is meant to hold text; write "
+                                     "the text into it, or leave it out of data.paths") from None
             blank.append(file)
             continue
         kept.append(file)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..validation import missing_path_hint
 from .crossing_cuts import CUTS, AddedTokenMatches, added_token_matches, clean_cuts
 
 TOKENIZER_KINDS = ("bpe", "byte")
@@ -364,8 +365,8 @@ def tokenizer_file(path: str | Path, what: str) -> Path:
                              f"{TOKENIZER_FILE} file, or a directory holding one{slow_tokenizer_hint(file)}")
         file = file / TOKENIZER_FILE
     if not file.is_file():
-        raise ValueError(f"{what} {str(file)!r} does not exist: give a {TOKENIZER_FILE} file, or a directory "
-                         "holding one")
+        raise ValueError(f"{what} {str(file)!r} does not exist{missing_path_hint(file)}: give a {TOKENIZER_FILE} "
+                         "file, or a directory holding one")
     return file
 
 

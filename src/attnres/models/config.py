@@ -106,7 +106,10 @@ class ModelConfig:
             _CHECK.fail("d_model", f"such that the head dimension d_model / n_heads is even (RoPE); n_heads={self.n_heads} "
                         f"gives {self.d_model // self.n_heads}", self.d_model)
         if self.n_heads % self.kv_heads:
-            _CHECK.fail("n_kv_heads", f"a divisor of n_heads={self.n_heads}", self.n_kv_heads)
+            divisors = [str(k) for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
+            listed = " or ".join(filter(None, (", ".join(divisors[:-1]), divisors[-1])))
+            _CHECK.fail("n_kv_heads", f"a divisor of n_heads={self.n_heads}: {listed} (or null: = n_heads)",
+                        self.n_kv_heads)
         if not isinstance(self.residual, ResidualConfig):
             _CHECK.fail("residual", "a ResidualConfig, a mapping of its fields or a residual name", self.residual)
         validate_residual_config(self.residual, self.d_model, self.n_sublayers)

@@ -512,6 +512,17 @@ def _yaml_error_line(error: Exception) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{hint}"
 
 
+def _unclosed_hint(key: str, raw: str) -> str:
+    """For an override value whose ``[`` or ``{`` is never closed (``data.paths=[a.txt`` - the
+    shell split ``data.paths=[a.txt b.txt]`` at its space, or the ``]`` was left out): how to
+    close it; ``""`` where the brackets pair up (there the value's items want quoting)."""
+    for opening, closing, what in (("[", "]", "list"), ("{", "}", "mapping")):
+        if raw.count(opening) > raw.count(closing):
+            return (f"; its {opening} is never closed: end the {what} with {closing} (quoted whole where it holds "
+                    f"spaces, \"{key}={raw.strip()}{closing}\")")
+    return ""
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"a.b=value"`` -> ``(["a", "b"], value)``, the value parsed as YAML (numbers, bools,
     lists, null; anything else stays a string)."""
@@ -525,7 +536,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e:
         if raw.strip().startswith(("[", "{")):  # (meant as a list or mapping: as one string, a path '[a, b'...)
             said = _yaml_error_line(e)
-            quote = "" if "quoted" in said else "; quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
+            quote = ("" if "quoted" in said else _unclosed_hint(key.strip(), raw) or
+                     "; quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'")
             raise ValueError(f"override {item!r}: its value is not valid YAML ({said}){quote}") from None
         value = raw
     if raw.count("#") > _hash_count(value):
@@ -617,13 +629,21 @@ def config_path(path: str | Path) -> Path:
     return p
 
 
+def missing_config_error(path: str | Path) -> str:
+    """The error for a config file ``path`` that does not exist, with the nearest name there
+    (or shipped with attnres)."""
+    return f"config file {str(path)!r} does not exist{_config_hint(Path(path))}"
+
+
 def _config_hint(p: Path) -> str:
     """Where a config file that does not exist stops existing and the nearest name there
     (``configs/train-cpu.yml``: ``train-cpu.yaml``); for ``configs/NAME`` without a
     ``configs/`` here (an installed wheel), the nearest config shipped with attnres."""
     hint = missing_path_hint(p)
     shipped = sorted(q.name for q in SHIPPED_CONFIGS.glob("*.yaml")) if SHIPPED_CONFIGS.is_dir() else []
-    if "did you mean" not in hint and str(p.parent) in ("configs", ".") and nearest(p.name, shipped):
+    # (confgs/train-cpu.yaml where no configs/ is here: "'.' holds no 'confgs'", not the shipped one)
+    folder = str(p.parent) in ("configs", ".") or (len(p.parts) == 2 and nearest(str(p.parent), ["configs"]))
+    if "did you mean" not in hint and folder and nearest(p.name, shipped):
         return f" (did you mean 'configs/{nearest(p.name, shipped)}', shipped with attnres?)"
     return hint
 
@@ -699,7 +719,7 @@ def config_data(path: str | Path | None = None, overrides: list[str] | tuple[str
         if p.is_dir():
             raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist{_config_hint(p)}")
+            raise ValueError(missing_config_error(p))
         text = read_text_file(p, "config file")  # (a binary or unreadable file named)
         try:
             data = _yaml_load(text) or {}

@@ -84,7 +84,7 @@ from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
 from .hf_source import load_hf_weights
 from .lock import RunLock, lock_run_dir
-from .metrics import MetricsLogger
+from .metrics import DATA_CHANGE, MetricsLogger
 from .optim import build_optimizer
 from .out_dir import OutDirError, check_out_dir, os_cause
 from .resume import check_resumable, check_resumable_before_data, init_model_changes
@@ -400,6 +400,9 @@ class Trainer:
                 self.wandb.update_config(self.config.to_dict())
             self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step, self.wandb)
             self.wandb = None  # the log's to close now
+            if self.start.resume is not None and self.data.changed:  # (the eval records after it: of other text)
+                before = (self.start.resume.state.get("data") or {}).get("fingerprint")
+                self.logger.log(DATA_CHANGE, self.resume_step, fingerprint=self.data.fingerprint, before=before)
         except OutputPathError as e:
             raise OutDirError(str(e)) from None
         except OSError as e:  # a disk that filled up since the start-up check

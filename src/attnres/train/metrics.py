@@ -28,7 +28,7 @@ from ..user_warning import warn_user
 if TYPE_CHECKING:
     from .wandb_log import WandbMirror
 
-__all__ = ["METRICS_FILE", "NONFINITE", "MetricsLogger", "metrics_line", "read_metrics", "scalars"]
+__all__ = ["DATA_CHANGE", "METRICS_FILE", "NONFINITE", "MetricsLogger", "metrics_line", "read_metrics", "scalars"]
 
 #: The field of a record that names its values that are not finite numbers (written as null).
 NONFINITE = "nonfinite"
@@ -73,6 +73,11 @@ def _restored(record: dict[str, Any]) -> dict[str, Any]:
             continue
     return record
 
+
+#: The kind of the record a run resumed onto other text (``allow_data_change``) writes at its
+#: resume step: ``fingerprint`` (the new text's) and ``before`` (the checkpoint's); the
+#: validation losses after it are of the new text's validation split, those before of the old.
+DATA_CHANGE = "data_change"
 
 #: The fields of a record that the run tools read as numbers (``null``: not measured).
 NUMBER_FIELDS = ("loss", "val_loss", "tokens", "tokens_per_s", "lr", "grad_norm")

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError, Source
-from ..checkpoint.locate import newest_state
+from ..checkpoint.locate import newest_state, run_of_checkpoint
+from ..checkpoint.manifest import latest_checkpoint
 from ..migrations import stored_config
 from ..models.config import READ_BY_SOME_KINDS, ModelConfig
 from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
@@ -65,6 +66,8 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
     stored = found[1].get("config") if found is not None else None
     if not isinstance(stored, dict):
         return config, None
+    if config.resume_from is not None and not any(o.partition("=")[0].strip() == "out_dir" for o in overrides):
+        _refuse_the_default_out_dir(config, found[0])
     base = {k: v for k, v in _normalised(stored).items() if k not in PER_LAUNCH}
     paths = (found[1].get("data") or {}).get("paths")
     if isinstance(base.get("data"), dict) and isinstance(paths, list):
@@ -80,6 +83,21 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
     if not any(o.partition("=")[0].strip() in ("data", "data.paths") for o in overrides):
         _refuse_moved_data(resumed.data.paths, found[0])
     return resumed, found[0]
+
+
+def _refuse_the_default_out_dir(config: TrainConfig, checkpoint: Path) -> None:
+    """``ValueError`` for ``--resume-from CHECKPOINT`` given no out_dir (nor a config file):
+    the run went on in the default out_dir (``runs/attnres``), not in the checkpoint's run,
+    said only by the start-up summary. Where the default is that run, nothing is said."""
+    run, step = run_of_checkpoint(checkpoint) or (None, None)
+    if run is not None and run.resolve() == Path(config.out_dir).resolve():
+        return
+    later = (f" (its checkpoints after {step} set aside as superseded)"
+             if run is not None and latest_checkpoint(run) != checkpoint else "")
+    own = (f"give out_dir={shell_path(str(run))} to continue that run{later}, or out_dir=DIR to continue it in a new "
+           "directory" if run is not None else "give out_dir=DIR, the directory to continue it in")
+    raise ValueError(f"resume_from={config.resume_from!r} without out_dir would continue it into the default out_dir "
+                     f"{config.out_dir!r}, not its run: {own}")
 
 
 def unregistered_in_the_resumed_run(error: Exception, data: dict[str, Any]) -> str | None:
@@ -141,9 +159,12 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             return repr(values[k]) if k in values else "not set"
 
         values = ", ".join(f"{k}: {said(old, k)} there, {said(new, k)} here" for k in differing)
+        # (a config file or an override the first command did not have: the run goes on with its own config)
         raise ValueError(f"cannot resume from {str(source.path)!r}: the config differs in {differing} ({values}; "
-                         f"only {sorted(RESUMABLE_CHANGES)} may change on resume; to start over from these weights "
-                         "with other settings, use init_from)")
+                         "to continue the run as it was, set those fields as the checkpoint has them, or resume it with "
+                         f"its own config: `attnres train out_dir={shell_path(str(new['out_dir']))} --resume`, with no "
+                         f"config file and no override of them; only {sorted(RESUMABLE_CHANGES)} may change on resume; "
+                         "to start over from these weights with other settings, use init_from)")
     step = source.step
     if current["steps"] < step:
         raise ValueError(f"cannot resume from {str(source.path)!r}: steps={current['steps']} is below the checkpoint's "

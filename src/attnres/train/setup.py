@@ -236,6 +236,12 @@ def _vocab_size_replaced(config: TrainConfig, start: Start, vocab_size: int, tok
             "so its size follows the tokenizer")
 
 
+def _short_of(asked: int, made: int) -> str:
+    """For a BPE made from the data with fewer tokens than ``data.vocab_size`` asked for (a
+    small text, where the trainer runs out of pairs to merge), words that say so; else ``""``."""
+    return f" (of data.vocab_size={asked}: this text holds no more merges)" if made < asked else ""
+
+
 def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
                      vocab_size_given: bool = False) -> tuple[TrainConfig, RunData]:
     """Read and tokenise the corpus (rank 0 first, the others then read its cache) and
@@ -289,7 +295,8 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
               else "stored in the checkpoint" if given is not None and source.state.get("tokenizer") is not None
               else "from the token cache the checkpoint trained on (it stores none)" if given is not None
               else "one per byte value" if tokens.tokenizer.kind == "byte"
-              else "made from the data" if config.data.tokenizer in TOKENIZER_KINDS
+              else "made from the data" + _short_of(config.data.vocab_size, tokens.vocab_size)
+              if config.data.tokenizer in TOKENIZER_KINDS
               else f"read from {config.data.tokenizer}")
     data = RunData(tokens, corpus.digest, meta, files, origin, changed, sampler,
                    validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))

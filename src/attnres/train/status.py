@@ -42,7 +42,8 @@ class RunStatus:
     or a lock left by a process of another host); ``config_error``: why its ``config.json``
     cannot be read, and where the model and ``steps`` came from instead; ``tokenizer``: what its
     losses are per token of (:func:`tokenizer_description`); ``block_size``: Block AttnRes' S
-    (``None`` for other residuals), which tells the runs of a block-size sweep apart."""
+    (``None`` for other residuals), which tells the runs of a block-size sweep apart; ``data``:
+    the text it trained on (:func:`data_fingerprint`)."""
 
     path: str
     residual: str | None
@@ -60,6 +61,7 @@ class RunStatus:
     config_error: str | None = None
     tokenizer: str | None = None
     block_size: int | None = None
+    data: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,7 +138,7 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
                      state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
                      block_size=residual.get("block_size") if isinstance(residual, dict) and kind == "attnres_block"
-                     else None)
+                     else None, data=data_fingerprint(newest))
 
 
 def tokenizer_description(config: dict[str, Any]) -> str | None:
@@ -147,6 +149,24 @@ def tokenizer_description(config: dict[str, Any]) -> str | None:
     vocab = model.get("vocab_size") if isinstance(model, dict) else None
     asked = data.get("tokenizer") if isinstance(data, dict) else None
     return f"{vocab} tokens ({asked})" if isinstance(vocab, int) and isinstance(asked, str) else None
+
+
+def data_fingerprint(checkpoint: Path | None) -> str | None:
+    """The fingerprint of the text the checkpoint ``checkpoint`` (a run's newest: see
+    :func:`run_data`) trained on, its first 12 hex digits as the start-up summary gives it, read
+    from its ``state.json`` without verifying; ``None`` where there is none (a run copied
+    without its checkpoints) or it does not read."""
+    try:
+        data = json.loads((checkpoint / STATE_FILE).read_text()).get("data") if checkpoint is not None else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    fingerprint = data.get("fingerprint") if isinstance(data, dict) else None
+    return fingerprint[:12] if isinstance(fingerprint, str) else None
+
+
+def run_data(run: str | Path) -> str | None:
+    """:func:`data_fingerprint` of the run directory ``run``'s newest checkpoint."""
+    return data_fingerprint(latest_checkpoint(Path(run)))
 
 
 def _run_config(path: Path, newest: Path | None) -> tuple[dict[str, Any], str | None]:
