@@ -971,12 +971,20 @@ def cli_help(argv: list[str]) -> str:
     ("model.n_kv_heads=None", "ModelConfig.n_kv_heads must be an integer >= 1, or null (= n_heads); got 'None' (a string"),
     ("model.hf_architecture=None", "'granitemoe', or null (the native decoder); got 'None' (a string: YAML's null"),
     ("seq_len=256", "got 256; lower seq_len, or raise model.max_seq_len (the RoPE tables) to 256"),
+    ("activation_checkpoint=true", "TrainConfig.activation_checkpoint must be one of 'none', 'block', 'selective'; got "
+                                   "True (a name is expected, and true or false is none of them: the nearest to true is "
+                                   "'block', which recomputes every block's sublayers in the backward)"),
+    ("activation_checkpoint=false", "got False (a name is expected, and true or false is none of them: the nearest to "
+                                    "false is 'none', which recomputes nothing)"),
+    ("optimizer=yes", "got True (a name is expected, and true or false is none of them)"),
 ])
 def test_a_refused_value_says_how_to_write_it(override, said):
     """A value refused for its YAML type says the fix: 1e3 is a float (steps=1000), a quoted
     number a string, a path or name that YAML read as a date, number or boolean wants quotes;
     a seq_len beyond the model's context names model.max_seq_len. ``None`` (Python's null) was
-    taken as a path (data.cache_dir made a directory 'None'; init_from looked for one)."""
+    taken as a path (data.cache_dir made a directory 'None'; init_from looked for one). A
+    boolean where a name is expected (activation_checkpoint=true) was refused as "got True"
+    alone: it now says no name is a boolean, and which name is nearest to the switch meant."""
     with pytest.raises(ValueError) as info:
         load_config(None, ["model=tiny", override])
     assert said in str(info.value)

@@ -348,7 +348,8 @@ TRAIN_RULES: dict[str, Rule] = {
     "dtype": _TrainingDtype(DTYPES),
     "device": DeviceChoice(DEVICES),
     "cpu_allocator": Choice(CPU_ALLOCATORS),
-    "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
+    "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS, switch=(
+        ("none", "which recomputes nothing"), ("block", "which recomputes every block's sublayers in the backward"))),
     "dist_timeout_s": Number(0.0, lo_open=True),
     "setup_timeout_s": Number(0.0, lo_open=True),
     "lr": Number(0.0, lo_open=True),
