@@ -990,6 +990,42 @@ def test_a_refused_value_says_how_to_write_it(override, said):
     assert said in str(info.value)
 
 
+@pytest.mark.parametrize("overrides, unread", [
+    (["model.residual.kind=attnres_full", "model.residual.block_size=4"], {("block_size", "attnres_full", "attnres_block")}),
+    (["model.residual=rezero", "model.residual.block_size=4", "model.residual.full_group_size=2"],
+     {("block_size", "rezero", "attnres_block"), ("full_group_size", "rezero", "attnres_full")}),
+    (["model.residual=standard", "model.attnres_block_size=2"], {("block_size", "standard", "attnres_block")}),
+    (["model.residual.block_size=2"], set()),  # (the preset's Block AttnRes reads it)
+    (["model.residual=attnres_full", "model.residual.block_size=null"], set()),  # (null: not a value)
+])
+def test_a_residual_field_its_variant_does_not_read_is_warned_of(overrides, unread):
+    """model.residual.kind=attnres_full with model.residual.block_size=4 trained Full AttnRes
+    and dropped the block size without a word. It is warned of once, at config time, naming the
+    field and the variant that reads it (not refused: a run resumed as another variant may read it)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(None, ["model=tiny", *overrides])
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+            and " is read only by " in str(w.message)]
+    assert len(said) == len(unread)
+    for name, kind, reader in unread:
+        assert any(m.startswith(f"model.residual.{name}=") and f"read only by {reader}: residual.kind {kind!r}" in m
+                   for m in said), said
+
+
+def test_a_config_files_block_size_is_not_warned_of_when_the_command_changes_the_variant():
+    """configs/train-cpu.yaml gives Block AttnRes a block size; `model.residual=standard` on it
+    is its documented baseline, and says nothing - the same block size on the command line does."""
+    def unread(overrides):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_config("configs/train-cpu.yaml", overrides)
+        return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+
+    assert unread([]) == [] and unread(["model.residual=standard"]) == []
+    assert len(unread(["model.residual=standard", "model.residual.block_size=2"])) == 1
+
+
 def test_a_tokenizer_directory_named_without_a_slash_is_said_to_want_one(tmp_path, monkeypatch):
     """data.tokenizer=mytok, a directory beside the command holding a tokenizer.json, is
     refused (a misspelt kind must not be looked for as a file); the error said what a path
