@@ -1,12 +1,14 @@
 """Sequence-sharded prefill (report §4.2): per-rank bytes of depth sources, measured, for P = 1, 2, 4.
 
     python benchmarks/bench_seq_prefill.py            # launches torchrun for each P (CPU, gloo)
+    python benchmarks/bench_seq_prefill.py --out runs/seq_prefill   # the same, not over the committed results
 
 Each rank runs :func:`attnres.distributed.sequence_parallel.sharded_prefill` on its T/P
 positions and measures the bytes of the depth sources its residual holds (the embedding and
 every completed block for Block AttnRes, every sublayer output for Full AttnRes). Rank 0 also
 checks the gathered logits against a one-process forward. Results go to
-``benchmarks/results/seq_prefill.{json,md}`` (``--out PATH`` for another place).
+``benchmarks/results/seq_prefill.{json,md}``, the committed results, which the bare command
+rewrites on purpose (``--out PATH`` for another place).
 """
 
 from __future__ import annotations
@@ -91,13 +93,21 @@ def render(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    from bench_training_overhead import out_stem, run_header, write_results
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench_training_overhead import out_stem
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # (the bare command reproduces the committed results, as the other benchmarks' do)
     parser.add_argument("--out", type=out_stem, default=str(HERE / "results" / "seq_prefill"),
-                        help="output path without suffix (default: benchmarks/results/seq_prefill)")
-    args = parser.parse_args()
+                        help="output path without suffix (default: benchmarks/results/seq_prefill, the committed "
+                             "results, rewritten)")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    from bench_training_overhead import run_header, write_results
+
+    args = parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in WORLD_SIZES:

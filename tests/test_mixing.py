@@ -720,3 +720,30 @@ def test_analyze_compare_of_models_of_different_depth_says_why_there_is_no_diffe
     comparison = text[text.index("## Comparison"):text.index("## Findings")]
     assert "- No difference of the matrices: A's M is 5×5 and B's 7×7 (models of different depth" in comparison
     assert "- Rank: A " in comparison and "- Sinks: A " in comparison and "[" not in comparison
+
+
+def test_analyze_compare_of_a_model_with_itself_is_refused(tmp_path, capsys):
+    """``attnres analyze A --compare A`` ran both analyses and wrote a report of a zero
+    difference without a word. The same model - named as the run, its checkpoints folder or its
+    newest step directory - is refused before anything is analysed; an earlier step is another
+    model."""
+    from attnres.cli import main as cli_main
+    from attnres.experiments.job.analyze import write_analysis
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        (run / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step-{step}" / "state.json").write_text(json.dumps({"step": step}))
+    newest = run / "checkpoints" / "step-2"
+    for a, b in ((run, run), (run, newest), (run / "checkpoints", newest), (newest, tmp_path / "." / "run")):
+        with pytest.raises(ValueError, match=r"is the model analysed \(.*step-2\): a comparison with itself shows no "
+                                             r"difference; give another run's checkpoint"):
+            write_analysis(a, b, tmp_path / "out")
+    with pytest.raises(SystemExit, match=r"attnres analyze: error: --compare '.*run' is the model analysed"):
+        cli_main(["analyze", str(run), "--compare", str(run), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    from attnres.checkpoint import CheckpointError
+
+    # an earlier step is another model: it gets as far as loading (these state.json files are no checkpoint's)
+    with pytest.raises(CheckpointError, match="is not an attnres checkpoint manifest"):
+        write_analysis(run, run / "checkpoints" / "step-1", tmp_path / "out")

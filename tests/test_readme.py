@@ -290,3 +290,31 @@ def test_the_upcycling_doc_python_block_runs_as_written(tmp_path, monkeypatch):
     ids = torch.tensor([AutoTokenizer.from_pretrained("llama-attnres")("The meaning of")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(up(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_readme_resumes_a_pipelined_run_in_one_process_as_it_says(tmp_path, monkeypatch, capsys):
+    """The README resumed its pipelined run in one process with ``parallel.pp=1``, as if the
+    run's ``pp=2`` carried over: a resume takes ``parallel.*`` from its command (unset: 1),
+    never from the run. The command is the run's out_dir alone, and against a run stored at
+    ``pp=2`` it resolves to one process."""
+    import json
+
+    from attnres.train import load_config
+
+    lines = README.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("# resume the pipelined run in one process"))
+    command = next(line for line in lines[at:] if not line.startswith("#"))
+    argv = shlex.split(command)
+    argv = argv[argv.index("attnres") + 1:]
+    assert not any(word.startswith("parallel.") for word in argv), command  # (it would say what is so anyway)
+    assert "takes parallel.* from its command (unset: 1, one process), never from the run" in " ".join(
+        line.lstrip("# ") for line in lines[at:at + 2])
+    out_dir = next(word.partition("=")[2] for word in argv if word.startswith("out_dir="))
+    monkeypatch.chdir(tmp_path)
+    step = tmp_path / out_dir / "checkpoints" / "step-2"  # (its state.json: all --print-config reads)
+    step.mkdir(parents=True)
+    stored = load_config(None, ["parallel.pp=2", "model.n_layers=4", "model.tie_embeddings=false", f"out_dir={out_dir}"])
+    (step / "state.json").write_text(json.dumps({"step": 2, "config": stored.to_dict()}))
+    assert cli_main([*argv, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "n_layers: 4" in printed and re.search(r"parallel: \{dp: null, tp: 1, pp: 1,", printed), printed

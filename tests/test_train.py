@@ -971,15 +971,59 @@ def cli_help(argv: list[str]) -> str:
     ("model.n_kv_heads=None", "ModelConfig.n_kv_heads must be an integer >= 1, or null (= n_heads); got 'None' (a string"),
     ("model.hf_architecture=None", "'granitemoe', or null (the native decoder); got 'None' (a string: YAML's null"),
     ("seq_len=256", "got 256; lower seq_len, or raise model.max_seq_len (the RoPE tables) to 256"),
+    ("activation_checkpoint=true", "TrainConfig.activation_checkpoint must be one of 'none', 'block', 'selective'; got "
+                                   "True (a name is expected, and true or false is none of them: the nearest to true is "
+                                   "'block', which recomputes every block's sublayers in the backward)"),
+    ("activation_checkpoint=false", "got False (a name is expected, and true or false is none of them: the nearest to "
+                                    "false is 'none', which recomputes nothing)"),
+    ("optimizer=yes", "got True (a name is expected, and true or false is none of them)"),
 ])
 def test_a_refused_value_says_how_to_write_it(override, said):
     """A value refused for its YAML type says the fix: 1e3 is a float (steps=1000), a quoted
     number a string, a path or name that YAML read as a date, number or boolean wants quotes;
     a seq_len beyond the model's context names model.max_seq_len. ``None`` (Python's null) was
-    taken as a path (data.cache_dir made a directory 'None'; init_from looked for one)."""
+    taken as a path (data.cache_dir made a directory 'None'; init_from looked for one). A
+    boolean where a name is expected (activation_checkpoint=true) was refused as "got True"
+    alone: it now says no name is a boolean, and which name is nearest to the switch meant."""
     with pytest.raises(ValueError) as info:
         load_config(None, ["model=tiny", override])
     assert said in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, unread", [
+    (["model.residual.kind=attnres_full", "model.residual.block_size=4"], {("block_size", "attnres_full", "attnres_block")}),
+    (["model.residual=rezero", "model.residual.block_size=4", "model.residual.full_group_size=2"],
+     {("block_size", "rezero", "attnres_block"), ("full_group_size", "rezero", "attnres_full")}),
+    (["model.residual=standard", "model.attnres_block_size=2"], {("block_size", "standard", "attnres_block")}),
+    (["model.residual.block_size=2"], set()),  # (the preset's Block AttnRes reads it)
+    (["model.residual=attnres_full", "model.residual.block_size=null"], set()),  # (null: not a value)
+])
+def test_a_residual_field_its_variant_does_not_read_is_warned_of(overrides, unread):
+    """model.residual.kind=attnres_full with model.residual.block_size=4 trained Full AttnRes
+    and dropped the block size without a word. It is warned of once, at config time, naming the
+    field and the variant that reads it (not refused: a run resumed as another variant may read it)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(None, ["model=tiny", *overrides])
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+            and " is read only by " in str(w.message)]
+    assert len(said) == len(unread)
+    for name, kind, reader in unread:
+        assert any(m.startswith(f"model.residual.{name}=") and f"read only by {reader}: residual.kind {kind!r}" in m
+                   for m in said), said
+
+
+def test_a_config_files_block_size_is_not_warned_of_when_the_command_changes_the_variant():
+    """configs/train-cpu.yaml gives Block AttnRes a block size; `model.residual=standard` on it
+    is its documented baseline, and says nothing - the same block size on the command line does."""
+    def unread(overrides):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_config("configs/train-cpu.yaml", overrides)
+        return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+
+    assert unread([]) == [] and unread(["model.residual=standard"]) == []
+    assert len(unread(["model.residual=standard", "model.residual.block_size=2"])) == 1
 
 
 def test_a_tokenizer_directory_named_without_a_slash_is_said_to_want_one(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -286,6 +286,9 @@ class Number(Rule):
 @dataclass(frozen=True)
 class Choice(Rule):
     allowed: tuple[str, ...]
+    #: For a field that reads like a switch (``activation_checkpoint=true``): the names nearest
+    #: to false and to true, each with what it does, so that a boolean is told which name it meant.
+    switch: tuple[tuple[str, str], tuple[str, str]] | None = field(default=None, kw_only=True)
 
     def ok(self, value: Any) -> bool:
         return isinstance(value, str) and value in self.allowed
@@ -294,7 +297,16 @@ class Choice(Rule):
         return "one of " + ", ".join(repr(a) for a in self.allowed)
 
     def hint(self, value: Any) -> str:
+        if isinstance(value, bool):  # (YAML reads true, yes and on as booleans; no name here is one)
+            return self._boolean_hint(value)
         return did_you_mean(value, self.allowed)
+
+    def _boolean_hint(self, value: bool) -> str:
+        said = " (a name is expected, and true or false is none of them"
+        if self.switch is None:
+            return said + ")"
+        name, meaning = self.switch[value]
+        return f"{said}: the nearest to {str(value).lower()} is {name!r}, {meaning})"
 
 
 def unsupported_device_hint(name: Any) -> str:

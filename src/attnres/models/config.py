@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
-from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
+from ..nn.residual import (ResidualConfig, build_residual, registered_residuals, residual_class,
+                           validate_residual_config)
 from ..nn.residual.config import VARIANT_FIELDS, merge_residual
 from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
-__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS"]
+__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "residual_fields_given",
+           "warn_unread_residual_fields"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
@@ -29,6 +31,32 @@ _CHECK = Fields("ModelConfig")
 #: variant of the user's what it declares): to another variant the model is the same whatever
 #: they hold.
 READ_BY_SOME_KINDS = frozenset(f"residual.{name}" for name in VARIANT_FIELDS)
+
+
+def residual_fields_given(spec: Any) -> set[str]:
+    """The fields of :data:`VARIANT_FIELDS` that a model section (a config file's ``model``
+    mapping with the overrides applied) gives a value: in ``residual`` or by the flat keys of
+    earlier versions (``attnres_block_size``). ``null`` (the derived default) is not a value."""
+    if not isinstance(spec, dict):
+        return set()
+    residual = spec.get("residual")
+    given = {name for name in VARIANT_FIELDS if isinstance(residual, dict) and residual.get(name) is not None}
+    return given | {path[0] for key, path in FLAT_RESIDUAL_KEYS.items()
+                    if path[0] in VARIANT_FIELDS and spec.get(key) is not None}
+
+
+def warn_unread_residual_fields(given: set[str], config: ModelConfig) -> None:
+    """Warn once for each of ``given`` (:func:`residual_fields_given`) that ``config``'s variant
+    does not read: ``residual.kind=attnres_full`` with ``residual.block_size=4`` trained as if
+    the block size were not there. A warning, not a refusal: the field is kept in the run's
+    config, and a run may be resumed as a variant that reads it (allow_residual_change)."""
+    kind = config.residual.kind
+    for name in sorted(given - residual_class(kind).reads_fields):
+        readers = [k for k in registered_residuals() if name in residual_class(k).reads_fields]
+        warn_user(f"model.residual.{name}={getattr(config.residual, name)!r} is read only by "
+                  f"{' and '.join(readers) or 'no registered variant'}: residual.kind {kind!r} builds the same model "
+                  f"whatever it holds, so it is not used (leave it out, or set model.residual.kind to "
+                  f"{' or '.join(readers) or 'the variant that reads it'})")
 
 
 @dataclass

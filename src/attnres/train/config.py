@@ -14,7 +14,8 @@ from ..data.corpus import read_text_file
 from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
 from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
-from ..models.config import PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig
+from ..models.config import (PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig, residual_fields_given,
+                             warn_unread_residual_fields)
 from ..models.hf_registry import hf_hook
 from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
@@ -348,7 +349,8 @@ TRAIN_RULES: dict[str, Rule] = {
     "dtype": _TrainingDtype(DTYPES),
     "device": DeviceChoice(DEVICES),
     "cpu_allocator": Choice(CPU_ALLOCATORS),
-    "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
+    "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS, switch=(
+        ("none", "which recomputes nothing"), ("block", "which recomputes every block's sublayers in the backward"))),
     "dist_timeout_s": Number(0.0, lo_open=True),
     "setup_timeout_s": Number(0.0, lo_open=True),
     "lr": Number(0.0, lo_open=True),
@@ -696,8 +698,28 @@ def _top_level_anchors(text: str) -> list[tuple[str, str]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
-    (:func:`config_path`)."""
-    return TrainConfig.from_dict(config_data(path, overrides))
+    (:func:`config_path`). A variant-specific residual field given for a variant that does
+    not read it is warned of (:func:`_residual_fields_chosen`)."""
+    data = config_data(path, overrides)
+    config = TrainConfig.from_dict(data)
+    warn_unread_residual_fields(_residual_fields_chosen(data, overrides), config.model)
+    return config
+
+
+#: Override keys that choose the model's residual variant (a preset or directory brings its own).
+_VARIANT_KEYS = (["model"], ["model", "preset"], ["model", "from_hf"], ["model", "residual"],
+                 ["model", "residual", "kind"])
+
+
+def _residual_fields_chosen(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The variant-specific residual fields (``block_size``, ...) the user gave for the variant
+    that ``data`` (the config file with ``overrides``) trains: those of the overrides, and those
+    of the file unless an override chose the variant - the file's block size is for the file's
+    Block AttnRes, and ``model.residual=standard`` on it is its baseline, said as intended."""
+    given = residual_fields_given(data.get("model"))
+    by_overrides = residual_fields_given(apply_overrides({}, list(overrides)).get("model"))
+    variant_chosen = any(parse_override(item)[0] in _VARIANT_KEYS for item in overrides)
+    return given & (by_overrides if variant_chosen else given)
 
 
 def sets_vocab_size(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> bool:

@@ -255,6 +255,27 @@ def _trained_text_field(checkpoint: str | Path) -> str:
     return data.get("text_field") or TEXT_FIELD
 
 
+def _analysed_model(path: str | Path) -> Path:
+    """The directory whose model ``path`` names: a run's newest checkpoint (a run, its
+    ``checkpoints`` folder and that ``step-*`` directory are one model), else ``path``."""
+    from ...checkpoint.locate import newest_state
+
+    location = Path(path).expanduser()
+    found = newest_state(location) if location.is_dir() else None
+    return (found[0] if found is not None else location).resolve()
+
+
+def _refuse_comparing_with_itself(checkpoint: str | Path, compare: str | Path) -> None:
+    """Raise ``ValueError`` where ``compare`` names the model ``checkpoint`` does: a report of a
+    model beside itself (a zero difference, the same rank and sinks twice) is a mistake, said
+    before two analyses of it are run."""
+    model = _analysed_model(checkpoint)
+    if _analysed_model(compare) == model:
+        raise ValueError(f"--compare {str(compare)!r} is the model analysed ({model}): a comparison with itself shows "
+                         "no difference; give another run's checkpoint, or an earlier step-N directory of this run "
+                         "(its checkpoints/), or leave --compare out")
+
+
 def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
                    rows: int | None = None, seq_len: int | None = None, text_path: str | None = None,
                    device: str | torch.device = "cpu") -> Path:
@@ -276,6 +297,8 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
             raise CheckpointError(("--compare: " if path is compare else "") + no_checkpoint_at(path))
         if not found:  # (a plain model as --compare was found only after the first model's whole analysis)
             _refuse_plain_directory(path, "--compare: " if path is compare else "")
+    if compare is not None:
+        _refuse_comparing_with_itself(checkpoint, compare)
     if text_path is not None and is_json_lines(text_path):  # (its records' text, as eval reads it: not its JSON)
         text = json_lines_text(text_path, "--text", _trained_text_field(checkpoint))
     out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
