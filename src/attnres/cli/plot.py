@@ -81,7 +81,6 @@ def _warn_incomparable(drawn: dict, paths: dict, x: str) -> None:
     drawn on one axis of "nats per token") or of one tokenizer on different text (their newest
     checkpoints' data fingerprints), or, against steps, runs of different tokens per step."""
     from ..experiments.curves import tokenizer_of, tokens_per_step
-    from ..train.metrics import DATA_CHANGE, METRICS_FILE, read_metrics
     from ..train.status import run_data
     from ..user_warning import warn_user
 
@@ -96,11 +95,10 @@ def _warn_incomparable(drawn: dict, paths: dict, x: str) -> None:
     texts = None if tokenizers else differing({label: run_data(paths[label]) for label in drawn})
     if texts:  # (one tokenizer: a baseline and a variant on other text looked like a comparison)
         warn_user(f"the runs trained on different text (data fingerprints {texts}), so their losses do not compare")
-    for label in drawn:  # (one run's validation curve across a resume onto other text: two texts' losses)
-        changed = sorted({r["step"] for r in read_metrics(paths[label] / METRICS_FILE) if r["kind"] == DATA_CHANGE})
-        if changed:
+    for label, c in drawn.items():  # (one run's validation curve across a resume onto other text: two texts' losses)
+        if c.data_changes:
             warn_user(f"{label} was resumed onto other text (allow_data_change) at step "
-                      f"{', '.join(map(str, changed))}: its validation loss before and after is of two texts' "
+                      f"{', '.join(map(str, c.data_changes))}: its validation loss before and after is of two texts' "
                       "validation splits, which do not compare")
     per_step = differing({label: (f"{n:,.0f}" if n is not None else None)
                           for label, n in ((label, tokens_per_step(c)) for label, c in drawn.items())})

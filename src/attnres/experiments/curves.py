@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..output_paths import read_json_object, save_figure_atomically
-from ..train.metrics import METRICS_FILE, read_metrics
+from ..train.metrics import DATA_CHANGE, METRICS_FILE, read_metrics
 from ..train.status import tokenizer_description
 
 if TYPE_CHECKING:
@@ -30,12 +30,14 @@ class Curves:
     """One run's losses: ``train`` and ``val`` map an axis name (``step``, ``tokens``) and
     ``loss`` to equally long lists, in step order; ``nonfinite``: the steps whose logged loss
     was not a finite number (left out of the curves: a diverged run's); ``diverged``: the step
-    whose loss or gradient norm stopped the run (its ``diverged`` record), if one did."""
+    whose loss or gradient norm stopped the run (its ``diverged`` record), if one did;
+    ``data_changes``: the steps it was resumed at onto other text (its ``data_change`` records)."""
 
     train: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
     val: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
     nonfinite: int = 0
     diverged: int | None = None
+    data_changes: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -49,7 +51,7 @@ def read_curves(run: str | Path) -> Curves:
     skipped with one warning naming the file, their count and their numbers."""
     train: dict[int, tuple[float, float]] = {}
     val: dict[int, tuple[float, float]] = {}
-    diverged = None
+    diverged, data_changes = None, set()
     for record in read_metrics(Path(run) / METRICS_FILE):
         kind, loss = record["kind"], record.get("loss" if record["kind"] == "train" else "val_loss")
         if kind in ("train", "eval"):
@@ -57,8 +59,10 @@ def read_curves(run: str | Path) -> Curves:
             (train if kind == "train" else val)[int(record["step"])] = (float(record.get("tokens", math.nan)), loss)
         elif kind == "diverged":  # (before its first log_every, the only record of a run)
             diverged = int(record["step"])
+        elif kind == DATA_CHANGE:  # (a resume repeated from the same checkpoint writes it again)
+            data_changes.add(int(record["step"]))
     curves = Curves(nonfinite=sum(not math.isfinite(loss) for points in (train, val) for _, loss in points.values()),
-                    diverged=diverged)
+                    diverged=diverged, data_changes=sorted(data_changes))
     for points, into in ((train, curves.train), (val, curves.val)):
         for step in sorted(s for s, (_, loss) in points.items() if math.isfinite(loss)):
             into["step"].append(step)
