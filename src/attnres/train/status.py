@@ -156,10 +156,8 @@ def data_fingerprint(checkpoint: Path | None) -> str | None:
     :func:`run_data`) trained on, its first 12 hex digits as the start-up summary gives it, read
     from its ``state.json`` without verifying; ``None`` where there is none (a run copied
     without its checkpoints) or it does not read."""
-    try:
-        data = json.loads((checkpoint / STATE_FILE).read_text()).get("data") if checkpoint is not None else None
-    except (OSError, ValueError, AttributeError):
-        return None
+    state = read_json_object(checkpoint / STATE_FILE)[0] if checkpoint is not None else None
+    data = state.get("data") if state is not None else None
     fingerprint = data.get("fingerprint") if isinstance(data, dict) else None
     return fingerprint[:12] if isinstance(fingerprint, str) else None
 
