@@ -554,12 +554,11 @@ def one_token_merge(device: str, backend: str):
 def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     """Host microseconds per call at one token (the device idle): our merge (forward +
     backward, with autograd, as the model calls it) against the standard model's add +
-    RMSNorm (forward + backward), each also forward only (no autograd); on a GPU also the
-    part of ours spent inside Triton's launcher (``triton_launch``: what launching from
-    compiled code instead would save), to tell it from our own Python. On the CPU, ours is
+    RMSNorm (forward + backward), each also forward only (no autograd). On the CPU, ours is
     the GPU path - the Triton implementation - with every launch stubbed (``kernels``:
     ``stubbed``): its Python and dispatch without Triton's launcher, against the standard's
-    CPU operators, an estimate of the ratio before a GPU measures it."""
+    CPU operators, an estimate of the ratio before a GPU measures it. The part of ours inside
+    Triton's launcher is :func:`triton_launch_us`, a piece of its own."""
     from attnres.ops.depth_attention import triton_launch
 
     d = HOST_D
@@ -575,29 +574,56 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
         out, h = standard_forward()
         torch.autograd.backward([out, h], [torch.ones_like(out), torch.ones_like(h)])
 
-    def per_call(fn) -> float:
-        for _ in range(3):
-            fn()
-        clock.sync()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        seconds = (time.perf_counter() - start) / repeats
-        clock.sync()
-        return seconds * 1e6
-
     with kernels:
-        result = {"ours": per_call(ours), "standard": per_call(standard)}
+        result = {"ours": per_call_us(clock, ours, repeats), "standard": per_call_us(clock, standard, repeats)}
         with torch.no_grad():
-            result.update(ours_forward=per_call(ours_forward), standard_forward=per_call(standard_forward))
+            result.update(ours_forward=per_call_us(clock, ours_forward, repeats),
+                          standard_forward=per_call_us(clock, standard_forward, repeats))
     if device != "cuda":
         result["kernels"] = "stubbed"
-    if device == "cuda" and library.pick("auto", [x]).__name__.endswith("triton_impl"):
-        with timed_launches(("merge_fwd", "merge_fwd_held", "merge_bwd", "merge_bwd_held")) as timed:
-            per_call(ours)
-        calls = timed[0].launches + timed[1].launches  # (one forward launch per call)
-        result["triton_launch"] = sum(t.seconds for t in timed) / calls * 1e6
     return result
+
+
+def per_call_us(clock: Clock, fn, repeats: int) -> float:
+    """Host microseconds per call of ``fn`` over ``repeats`` calls (after three)."""
+    for _ in range(3):
+        fn()
+    clock.sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    seconds = (time.perf_counter() - start) / repeats
+    clock.sync()
+    return seconds * 1e6
+
+
+def triton_launch_us(clock: Clock, device: str, repeats: int) -> float | None:
+    """Of :func:`host_overhead`'s merge call (forward + backward) on a GPU, the microseconds
+    inside Triton's launcher (what launching from compiled code instead would save), to
+    tell it from our own Python; ``None`` where the merge does not run our Triton kernels
+    (the CPU)."""
+    if device != "cuda":
+        return None
+    _, ours, (x, *_) = one_token_merge(device, "auto")
+    if not library.pick("auto", [x]).__name__.endswith("triton_impl"):
+        return None
+    with timed_launches(("merge_fwd", "merge_fwd_held", "merge_bwd", "merge_bwd_held")) as timed:
+        per_call_us(clock, ours, repeats)
+    calls = timed[0].launches + timed[1].launches  # (one forward launch per call)
+    return sum(t.seconds for t in timed) / calls * 1e6
+
+
+def host_times(clock: Clock, device: str, errors: dict, repeats: int = 200) -> dict | None:
+    """:func:`host_overhead` (``errors["host"]`` where it fails: ``None``) and, as a piece of
+    its own, :func:`triton_launch_us` into it as ``triton_launch`` (``errors["host_launch"]``
+    where it fails): a failure inside the stand-in for Triton's kernels loses that number
+    alone, not ours and the standard's."""
+    host = attempt(clock, errors, "host", lambda: host_overhead(clock, device, repeats))
+    if host is not None:
+        launch = attempt(clock, errors, "host_launch", lambda: triton_launch_us(clock, device, repeats))
+        if launch is not None:
+            host["triton_launch"] = launch
+    return host
 
 
 def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) -> dict:
@@ -609,7 +635,7 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
         rows[name] = {"us": t * 1e6, "bound_us": bytes_[name] / peak * 1e6, "x_bound": t / (bytes_[name] / peak)}
         log(f"[gpu_check]   {name}: {rows[name]['us']:.1f} us, {rows[name]['x_bound']:.2f}x bound")
     autocast = attempt(clock, errors, "autocast", lambda: autocast_ops(z, clock, device, peak), {})
-    host = attempt(clock, errors, "host", lambda: host_overhead(clock, device, 200))
+    host = host_times(clock, device, errors)
     log(f"[gpu_check]   host: {host}")
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
     block, unsupported = attempt(clock, errors, "block", lambda: block_against_peers(z, clock, device, peers, skipped),

@@ -934,6 +934,35 @@ def test_a_parts_optional_piece_that_fails_keeps_the_parts_timings(monkeypatch):
     assert gpu_check.summarize(result)["memory"] is None and "## train_eager" in gpu_check.render(result)
 
 
+def test_a_failure_timing_tritons_launcher_keeps_the_host_times_of_the_merge_and_the_standard(monkeypatch):
+    """The ops part's host time on a GPU: the part of our merge call inside Triton's launcher
+    (``triton_launch``, timed through stand-ins for the kernels) is a piece of its own - one
+    that raises there is recorded as ``host_launch`` and the merge's and the standard
+    model's host times kept (they shared one piece: all three were lost). Faked: the one-token
+    merge on the CPU, reported as running our Triton kernels."""
+    import gpu_check
+
+    real_merge, real_pick = gpu_check.one_token_merge, gpu_check.library.pick
+    triton = types.SimpleNamespace(__name__="attnres.ops.depth_attention.triton_impl")
+    monkeypatch.setattr(gpu_check, "one_token_merge", lambda device, backend: real_merge("cpu", "torch"))
+    monkeypatch.setattr(gpu_check.library, "pick",
+                        lambda backend, tensors: triton if backend == "auto" else real_pick(backend, tensors))
+
+    def unlaunchable(names):
+        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+
+    monkeypatch.setattr(gpu_check, "timed_launches", unlaunchable)
+    monkeypatch.setattr(gpu_check.kernels_bench, "peak_bandwidth", lambda: (3.35e12, "datasheet"))
+    monkeypatch.setattr(gpu_check, "op_calls", lambda z, device: {})
+    monkeypatch.setattr(gpu_check, "autocast_ops", lambda *args: {})
+    monkeypatch.setattr(gpu_check, "block_against_peers", lambda *args: ({}, {}))
+    clock = gpu_check.Clock("cuda", strict=False)
+    monkeypatch.setattr(clock, "sync", lambda: None)
+    ops = gpu_check.part_ops(gpu_check.SMOKE, clock, "cuda", {}, {})
+    assert ops["host_us"]["ours"] > 0 and ops["host_us"]["standard"] > 0 and "triton_launch" not in ops["host_us"]
+    assert set(ops["errors"]) == {"host_launch"} and "invalid argument" in ops["errors"]["host_launch"]
+
+
 def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_timed(monkeypatch):
     """The parts' steps that no GPU has run yet - the eager part's options (the stream in
     bf16), a decode graph's capture, Phase 1 in one kernel, a model's compile - are run once
