@@ -20,7 +20,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    part's other launch settings, what the parity and ops parts launch outside the models'
    steps (the parity's float32 models and ops, the ops at their defaults, the one-token
    merge, Block at the op shape) and the peers' autotuners, into the on-disk caches, while
-   the main process builds the models.
+   the main process builds the models - unless the GPU's compute mode is other than Default
+   (:func:`gpu_compute_mode`: one process at a time), where the parts compile their kernels
+   in their untimed first steps (``warm_up`` says so).
 1. **parity**: a small Block and Full AttnRes model at the real ``d``, float32, our kernels
    against the torch backend (logits, every gradient); each operation alone against the
    PyTorch implementation in float64.
@@ -1587,6 +1589,22 @@ def gpu_facts() -> dict:
 
 
 # ---------------------------------------------------------------------------------- warm-up
+def gpu_compute_mode() -> str | None:
+    """The GPU's compute mode as ``nvidia-smi`` names it (``Default``, ``Exclusive_Process``,
+    ``Prohibited``; where the machine has several GPUs, the first that is not ``Default``), or
+    ``None`` where it cannot be read (no ``nvidia-smi``, a failing one, ``[N/A]``): in a mode other than
+    ``Default`` the device takes one process at a time, and the warm-up's workers would
+    take it from the main process or fail to get it."""
+    try:
+        query = ["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"]
+        done = subprocess.run(query, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    modes = [line.strip() for line in done.stdout.splitlines()
+             if line.strip() and not line.strip().startswith("[")] if done.returncode == 0 else []
+    return next((m for m in modes if m != "Default"), modes[0] if modes else None)
+
+
 def warm_up_worker(what: str, z: Sizes, device: str = "cuda", options: list[str] = ()) -> int:
     """Compile into the on-disk caches: ``models:NAME:STAGE`` runs that model's residual at a
     few rows (:func:`warm_up_model`: the same kernel variants as the full shape), ``sweeps``
@@ -1991,7 +2009,10 @@ def run_check(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: di
     device, out, parts = "cuda" if clock.cuda else "cpu", Path(args.out), args.parts.split(",")
     peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
     # (the kernels of a --continue are in the on-disk caches already: no warm-up)
-    workers = start_warm_up(parts, peers, args.force, options) if clock.cuda and not args.resume else {}
+    warm = clock.cuda and not args.resume
+    mode = gpu_compute_mode() if warm else None
+    shared = mode in (None, "Default")  # (unknown - no nvidia-smi -: as before, in parallel)
+    workers = start_warm_up(parts, peers, args.force, options) if warm and shared else {}
     try:
         prepared = prepare(args, argv, clock, z, forced_settings, options, start, workers)
     finally:  # (a run that raised before the warm-up was waited for leaves no worker compiling on its device)
@@ -2000,6 +2021,13 @@ def run_check(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: di
     if prepared is None:
         return 2
     result, models, spent_before = prepared
+    if warm:
+        result["warm_up"] = {**result.get("warm_up", {}), "compute_mode": mode}
+        if not shared:
+            result["warm_up"]["skipped"] = (f"the GPU's compute mode is {mode}: one process at a time holds it, and "
+                                            "the warm-up's workers would take it from this one (or fail to get it); "
+                                            "each part compiles its kernels in its untimed first steps")
+            log(f"[gpu_check] no parallel warm-up: {result['warm_up']['skipped']}")
     for i, part in enumerate(parts):
         lost = run_one_part(part, result, args, clock, z, models, device, peers, skipped, start, spent_before)
         if lost:

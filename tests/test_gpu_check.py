@@ -887,6 +887,45 @@ def test_the_warm_up_is_waited_for_until_its_share_of_the_budget_then_stopped(mo
     assert "stopped" in result["warm_up"]["workers"]["hung"] and "profile" in result
 
 
+def _nvidia_smi(monkeypatch, gpu_check, stdout: str | None) -> None:
+    """``nvidia-smi`` stubbed: it prints ``stdout``; ``None``: there is none."""
+    real = subprocess.run
+
+    def run(command, *args, **kwargs):
+        if command[0] != "nvidia-smi":
+            return real(command, *args, **kwargs)
+        if stdout is None:
+            raise FileNotFoundError(2, "No such file or directory", "nvidia-smi")
+        return subprocess.CompletedProcess(command, 0, stdout, "")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+
+
+def test_a_gpu_in_an_exclusive_compute_mode_runs_no_parallel_warm_up(monkeypatch, tmp_path):
+    """In the EXCLUSIVE_PROCESS compute mode the device takes one process at a time: the
+    warm-up's workers would take it from the main process (or fail to get it). The mode is
+    read before they start (``nvidia-smi``; none - or ``[N/A]`` - is read as before, in
+    parallel), and in a mode other than Default none starts: the parts compile their kernels
+    in their untimed first steps, and ``warm_up`` in gpu_check.json says so."""
+    import gpu_check
+
+    started = []
+    _fake_gpu(monkeypatch, gpu_check)
+    monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: started.append(args) or {})
+    argv = ["--out", str(tmp_path), "--no-peers", "--parts", "profile"]
+    _nvidia_smi(monkeypatch, gpu_check, "Exclusive_Process\n")
+    assert gpu_check.gpu_compute_mode() == "Exclusive_Process"
+    assert gpu_check.main(argv) == 0 and not started
+    warm_up = json.loads((tmp_path / "gpu_check.json").read_text())["warm_up"]
+    assert warm_up["compute_mode"] == "Exclusive_Process" and "untimed first steps" in warm_up["skipped"]
+    for stdout, mode in (("Default\n", "Default"), (None, None), ("[N/A]\n", None)):
+        _nvidia_smi(monkeypatch, gpu_check, stdout)
+        assert gpu_check.gpu_compute_mode() == mode
+        assert gpu_check.main(argv) == 0 and len(started) == 1
+        started.clear()
+        assert json.loads((tmp_path / "gpu_check.json").read_text())["warm_up"] == {"compute_mode": mode}
+
+
 def test_a_run_that_raises_before_the_warm_up_is_waited_for_stops_its_workers(monkeypatch, tmp_path):
     """The models are built while the warm-up's workers compile: a run that raises there (out
     of memory building them) stops its workers rather than leaving them compiling on the
