@@ -51,23 +51,26 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    standard model's add + RMSNorm at one token, with the part of it inside Triton's
    launcher; one Block AttnRes block against the peers that run the shape
    (bench_kernels_gpu.py's adapters).
-5. **sweep**: the same operations at the other launch settings of ``SWEEPS`` (Phase 1's
-   tiles and groups of sources, Phase 1 as one program per row, the merges' warps, the
-   looping merges, their pipeline depth), each beside its default's time; a part of its own,
-   so that a fault at a setting no default uses costs only this part.
-6. **train, compiled**: the same steps as 2. under ``torch.compile`` - after the parts the
-   targets are judged on and before the diagnostics, so that one run of the prepared command
-   measures every target: on the H200 it took 221 s, 208 of them inductor compiling three
+5. **train, compiled**: the same steps as 2. under ``torch.compile`` - after the parts the
+   targets are judged on and before the diagnostics (:data:`TARGET_PARTS`), so that one run
+   of the prepared command measures every target: on the H200 it took 221 s, 208 of them inductor compiling three
    models (benchmarks/results/gpu-h200/log.txt). With less than its 230 s left but at least
    160, it compiles the standard model and Block only (Full has no target; named in
    ``skipped``). Then one compiled step each of the standard model and Block under
    ``torch.profiler``: where its device time goes (``device_busy_compiled`` in the summary).
-7. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
+6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
    casts): half the bytes Block adds with a float32 stream (``bf16_stream`` in the
    summary) - before the diagnostics, as the residual-stream dtype option the training
    target may need.
+7. **sweep**: the same operations at the other launch settings of ``SWEEPS`` (Phase 1's
+   tiles and groups of sources, Phase 1 as one program per row, the merges' warps, the
+   looping merges, their pipeline depth), each beside its default's time; a part of its own,
+   so that a fault at a setting no default uses costs only this part - and after the
+   targets' parts: before the compiled part (until 2026-12-07) its settings' compiles, where
+   the warm-up had not made them, and a fault's fresh process came out of the compiled
+   part's time.
 8. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
@@ -1022,13 +1025,31 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
         result["profile"] = attempt(clock, errors, "profile", lambda: {
             name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}, {})
     else:
-        result["peak_memory_MiB"] = attempt(clock, errors, "peak_memory", lambda: {
-            k: peak_memory(s, device) / 2**20 for k, s in steps.items()}, {})
+        result["peak_memory_MiB"] = each(clock, errors, "peak_memory", lambda s: peak_memory(s, device) / 2**20, steps)
         # (what autograd keeps from the forward, apart from the backward's transients: the
         # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
-        result["kept_MiB"] = attempt(clock, errors, "kept", lambda: {
-            k: kept_bytes(f, device) / 2**20 for k, f in forwards.items()}, {})
+        result["kept_MiB"] = each(clock, errors, "kept", lambda f: kept_bytes(f, device) / 2**20, forwards)
     return result
+
+
+def each(clock: Clock, errors: dict, piece: str, fn, items: dict) -> dict:
+    """``{name: fn(item)}`` over ``items`` in order, each an :func:`attempt` of its own (a
+    failure recorded as ``errors[piece + " " + name]``, its row left out): a diagnostic
+    step's failure - Full's or an option's memory, out of memory - keeps the standard
+    model's and Block's rows, the memory target's (one attempt over all of them lost every
+    row). Ends at a failure that left the device unusable (each row after it would fail)."""
+    device, out, failed = "cuda" if clock.cuda else "cpu", {}, False
+    for name, item in items.items():
+        value = attempt(clock, errors, f"{piece} {name}", lambda item=item: fn(item))
+        if value is None:
+            failed = True
+            if not device_usable(device):
+                break
+        else:
+            out[name] = value
+    if failed:  # (the failures' tracebacks held their tensors: an out-of-memory step's)
+        release_memory(device)
+    return out
 
 
 #: Seconds to compile one model's training step (inductor, a cold cache: the H200 took 208 s
@@ -1877,7 +1898,7 @@ def parse_args(argv=None):
                    help="directory for gpu_check.{md,json} and summary.json (required)")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="parity,train_eager,decode,ops,sweep,train_compiled,train_bf16,profile,"
+    p.add_argument("--parts", default="parity,train_eager,decode,ops,train_compiled,train_bf16,sweep,profile,"
                                       "profile_decode",
                    help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
@@ -1905,6 +1926,10 @@ def parse_args(argv=None):
     return args
 
 
+#: The parts the targets are judged on (:data:`TARGETS`, the op-level bound, the host time,
+#: parity): the prepared run's first, before any diagnostic part, so that a run short of its
+#: budget drops diagnostics, not targets.
+TARGET_PARTS = ("parity", "train_eager", "decode", "ops", "train_compiled")
 #: The least time each part needs (s, on an H100): a part is skipped when less remains, so
 #: that a run's time limit does not cut it off midway (the compiled part: 221 s on the H200,
 #: 208 of them inductor compiling three models).
