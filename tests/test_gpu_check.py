@@ -1197,6 +1197,27 @@ def test_the_compiled_part_compiles_each_model_only_while_one_more_compile_fits(
     assert set(dropped) == {"full"} and "91 s to the deadline" in dropped["full"] and "92 s" in dropped["full"]
 
 
+def test_the_compiled_part_without_full_has_the_time_to_compile_block_after_the_standard_model(monkeypatch):
+    """Short of the whole compiled part's time, Full is left out so that the standard model
+    and Block - the target's ratio - compile. At ``COMPILED_WITHOUT_FULL_S`` left, each
+    compile taking the assumed ``COMPILE_S``, :func:`compile_within` compiles both: at 160 s,
+    as it was, Block's compile (1.2 times the standard model's) and the timing no longer fit
+    after the standard model's, which compiled alone - no ratio for 70 s of the budget."""
+    import gpu_check
+
+    now = [0.0]
+    monkeypatch.setattr(gpu_check, "time", type("T", (), {"perf_counter": staticmethod(lambda: now[0])}))
+
+    def compiling():
+        now[0] += gpu_check.COMPILE_S
+
+    models = {"standard": 0, "block": 1, "full": 2}
+    fit, _ = gpu_check.fitting_models("train_compiled", models, gpu_check.COMPILED_WITHOUT_FULL_S)
+    clock = gpu_check.Clock("cpu", deadline=float(gpu_check.COMPILED_WITHOUT_FULL_S))
+    kept, _, dropped = gpu_check.compile_within({name: compiling for name in fit}, clock, {})
+    assert list(kept) == ["standard", "block"] and not dropped
+
+
 def test_the_files_are_written_when_the_summary_or_tables_fail(tmp_path):
     """A result the summary or the tables cannot read (a part's result without a key) still
     leaves every number in ``gpu_check.json`` and a summary saying what failed; the smoke
