@@ -1063,6 +1063,36 @@ def test_a_diagnostic_steps_memory_that_fails_keeps_the_memory_targets_rows(monk
     assert summary["memory"] == 1.0 and summary["met"]["memory"] and summary["full"]["memory"] is None
 
 
+def test_an_op_that_fails_keeps_the_other_ops_rows(monkeypatch):
+    """The ops part times each operation against its bound, each row an attempt of its own:
+    one whose capture fails on the GPU is recorded as ``op NAME`` and the others' rows - and
+    the pieces after them - kept (one failure failed the part); the op-level target is not
+    met without every row. A failure that loses the device ends the part with the rows
+    measured."""
+    import gpu_check
+
+    real = gpu_check.op_calls
+
+    def calls(z, device, *args, **kwargs):
+        made = real(z, device, *args, **kwargs)
+        made["merge_bwd"] = lambda: (_ for _ in ()).throw(RuntimeError("Triton Error [CUDA]: invalid argument"))
+        return made
+
+    monkeypatch.setattr(gpu_check, "op_calls", calls)
+    lenient = gpu_check.Clock("cpu", strict=False)
+    ops = gpu_check.part_ops(gpu_check.SMOKE, lenient, "cpu", {}, {})
+    assert set(ops["ops"]) == set(gpu_check.op_bytes(gpu_check.SMOKE)) - {"merge_bwd"} and ops["host_us"]
+    assert set(ops["errors"]) == {"op merge_bwd"} and "invalid argument" in ops["errors"]["op merge_bwd"]
+    summary = gpu_check.summarize({"device": "GPU", "ops": {**ops, "ops": {k: {**v, "x_bound": 1.0}
+                                                                         for k, v in ops["ops"].items()}}})
+    assert summary["met"]["ops_within_2x_bound"] is False
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    lost = gpu_check.part_ops(gpu_check.SMOKE, lenient, "cpu", {}, {})
+    assert list(lost["ops"]) == ["phase1_fwd", "phase1_bwd", "merge_fwd"] and set(lost["errors"]) == {"op merge_bwd"}
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        gpu_check.part_ops(gpu_check.SMOKE, gpu_check.Clock("cpu"), "cpu", {}, {})
+
+
 def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_timed(monkeypatch):
     """The parts' steps that no GPU has run yet - the eager part's options (the stream in
     bf16), a decode graph's capture, Phase 1 in one kernel, a model's compile - are run once
