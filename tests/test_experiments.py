@@ -808,6 +808,35 @@ def test_equal_time_is_too_noisy_when_the_ratio_noise_moves_the_gap_more_than_th
     assert "Block AttnRes at equal time: too noisy to draw a conclusion" in finding
 
 
+def test_no_equal_time_conclusion_is_drawn_from_fewer_rounds_than_give_95_percent():
+    """The step-time ratio's noise is its interval's half width, a 95 % interval from 6
+    rounds; over fewer it is the rounds' range, which covers less (2 rounds: 50 %) - the
+    report named that coverage, but the "too noisy" rule read the narrower noise as it was
+    and drew equal-time conclusions from 2 rounds. Below 6 rounds every equal-time reading is
+    too noisy, and the table and the findings say why."""
+    from attnres.experiments.job import compare
+    from attnres.experiments.job.compare import BASELINE, Run, _findings, _tables
+
+    def run(variant, losses):
+        rec = {"variant": variant, "seed": 0, "steps": 100, "flops": 100.0, "val_loss": losses[-1], "params": 10,
+               "residual_params": 0, "flops_per_token": 1.0, "tokens": 1000}
+        return Run(rec, eval_steps=[50, 75, 100], val_loss=losses)
+
+    groups = {BASELINE: [run(BASELINE, [3.0, 2.5, 2.0])], "block": [run("block", [2.9, 2.4, 1.9])]}
+    overheads = {BASELINE: {"step_ratio": 1.0, "step_ratio_noise": 0.0, "median_ms": 10.0, "peak_ratio": 1.0},
+                 "block": {"step_ratio": 1.25, "step_ratio_noise": 0.01, "median_ms": 12.5, "peak_ratio": 1.1}}
+    md, gaps, noisy = _tables(groups, overheads, 6)  # (the gap +0.3, its spread 0.01: drawn)
+    assert "(too noisy)" not in md and "fewer than the 6" not in md
+    md, gaps, noisy = _tables(groups, overheads, 2)
+    assert "(too noisy)" in md and "Timed over 2 round(s), fewer than the 6 whose interval covers 95 %" in md
+    assert compare.EQUAL_TIME_ROUNDS == 6
+    (finding,) = [f for f in _findings(groups, gaps, None, noisy, 2) if "equal time" in f]
+    assert "at equal time: too noisy to draw a conclusion: the step-time ratio was timed over 2 round(s)" in finding
+    assert "--overhead-repeats 6 or more" in finding
+    md, gaps, noisy = _tables(groups, overheads, 6)
+    assert "at equal time: paired gap to the standard model +0.3000" in _findings(groups, gaps, None, noisy, 6)[-1]
+
+
 def test_compare_finds_how_the_gap_moves_during_the_decay(tmp_path):
     """Report Fig. 5a: the gap to the baseline at the step the WSD decay starts (read off the
     curves, from the runs' config.json) against the gap at the end, paired by seed."""

@@ -6,6 +6,7 @@ independently from each variant's parameters."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -610,10 +611,14 @@ def test_the_rank_table_says_where_report_6_2_states_no_rank():
     assert row.rstrip(" |").endswith("Highway, (m)HC and AttnRes)")
 
 
-def test_uniform_float32_weights_measured_above_rank_1_are_said_to_be_rounding():
+def test_float32_weights_rounding_counts_for_nothing_in_the_rank():
     """SmolLM2's Block upcycle at conversion (60 sublayers, S = 8): its rank table said "2" beside
     "1: every weight uniform (rank 1 whatever N and S)" - float32 sixths one ulp apart gave a
-    second singular value of 4.5e-9 of the largest, above the threshold. The row says so."""
+    second singular value of 4.5e-9 of the largest, above RANK_RTOL = 1e-9, far below float32's
+    precision (1.2e-7 a weight). The tolerance is the weights' dtype's (``rank_rtol``: the
+    matrix's size times its machine epsilon, as numpy's ``matrix_rank``): rank 1; and a float32
+    matrix of rank one per block (products rounded in float32) is rank 1."""
+    from attnres.analysis.mixing import RANK_RTOL, rank_rtol
     from attnres.analysis.mixing_report import uniform_weights
     from attnres.experiments.job.analyze import _expect
 
@@ -621,11 +626,19 @@ def test_uniform_float32_weights_measured_above_rank_1_are_said_to_be_rounding()
     m = AttnResLM(ModelConfig(vocab_size=64, d_model=16, n_layers=30, n_heads=2, max_seq_len=16,
                               residual={"kind": "attnres_block", "block_size": 8})).eval()  # float32, zero queries
     r = depth_mixing_matrix(m, ids())
-    assert uniform_weights(r) and r.rank == 2  # (float64 weights give 1: test_uniform_weights_are_not_set_against...)
+    assert uniform_weights(r) and r.rank == 1 and r.rtol == rank_rtol(61, torch.float32) == 61 * 2.0**-23
+    assert depth_mixing_matrix(m.to(F64), ids()).rtol == RANK_RTOL  # (float64 weights: as before)
     words, low, high = _expect({"residual": "attnres_block", "L": 60, "block_size": 8, "n_streams": None}, [r])
     assert (low, high) == (None, None) and words.startswith("1: every weight uniform (zero pseudo-queries")
-    assert "; the 2 measured is rounding: equal weights that differ in their last bits, which the threshold of " \
-           "1e-09 × the largest singular value counts; report §6.2's bounds" in words
+    assert "rounding" not in words
+    words = _expect({"residual": "attnres_block", "L": 60, "block_size": 8, "n_streams": None},
+                    [dataclasses.replace(r, rank=2)])[0]  # (rounding above even that threshold: still said)
+    assert "; the 2 measured is rounding: equal weights that differ in their last bits, above the rank's " \
+           "threshold; report §6.2's bounds" in words
+    a, b = torch.rand(25, dtype=torch.float32) + 0.5, torch.rand(25, dtype=torch.float32) + 0.5
+    rank_one = (a[:, None] * b[None, :]).tril()  # (each block M[k:, :k + 1] is rank one, rounded in float32)
+    assert int(semiseparable_rank(rank_one)) == 1
+    assert int(semiseparable_rank(rank_one, rtol=RANK_RTOL)) > 1  # (the float32 rounding, counted at float64's)
     exact = depth_mixing_matrix(model("attnres_block", n_layers=3, block_size=2), ids())  # float64: rank 1, no word
     words = _expect({"residual": "attnres_block", "L": 6, "block_size": 2, "n_streams": None}, [exact])[0]
     assert exact.rank == 1 and "rounding" not in words

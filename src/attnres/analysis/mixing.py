@@ -14,8 +14,12 @@ model on some tokens, collects it and measures it:
 * :func:`mixing_forward` - the same forward keeping the sources ``v_i`` and the sublayer
   inputs, to check ``h_l = sum_i M[i -> l] v_i``.
 
-Rank tolerance: a singular value counts when it exceeds :data:`RANK_RTOL` times the largest
-singular value of the whole matrix (all in float64). Input-dependent variants have one ``M``
+Rank tolerance: a singular value counts when it exceeds :func:`rank_rtol` times the largest
+singular value of the whole matrix (all in float64): :data:`RANK_RTOL`, but no less than the
+matrix's size times the machine epsilon of the dtype its weights were computed in (as
+``numpy.linalg.matrix_rank``): a float32 model's weights carry rounding of ~1e-7, which a
+float64 SVD resolves - equal weights one ulp apart gave a second singular value of 4.5e-9.
+Input-dependent variants have one ``M``
 per token; their rank is the largest over the tokens looked at (and, for variants that weight
 channel by channel - Highway, LayerScale - over the channels too), since an average of
 low-rank matrices need not be low-rank. The rank of the token-averaged matrix is reported
@@ -30,10 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.norm import norm_input_value
+from ..ops import compute_dtype
 from ..nn.residual.mixing import MIXING_DTYPE, MixingMatrix, scatter_source_weights
 
 __all__ = [
     "RANK_RTOL",
+    "rank_rtol",
     "SINK_RATIO",
     "SINK_MAX_CV",
     "DepthMixing",
@@ -46,7 +52,8 @@ __all__ = [
     "depth_mixing_from_logged",
 ]
 
-#: Singular values above ``RANK_RTOL * sigma_max(M)`` count toward the rank.
+#: Singular values above ``RANK_RTOL * sigma_max(M)`` count toward the rank, for weights
+#: computed in float64 (in a lower precision :func:`rank_rtol` raises it).
 RANK_RTOL = 1e-9
 #: A sink takes at least this many times the average weight of the sources beside it ...
 SINK_RATIO = 2.0
@@ -54,13 +61,24 @@ SINK_RATIO = 2.0
 SINK_MAX_CV = 0.5
 
 
-def semiseparable_rank(M: Tensor, rtol: float = RANK_RTOL) -> Tensor:
+def rank_rtol(n: int, precision: torch.dtype) -> float:
+    """The rank tolerance of an ``n x n`` mixing matrix whose weights were computed in
+    ``precision``: :data:`RANK_RTOL`, or ``n`` times ``precision``'s machine epsilon where
+    that is more (float32: 1.2e-7 a weight; ``numpy.linalg.matrix_rank``'s default) - below it
+    a singular value can be the weights' rounding, not a direction of the mixing."""
+    return max(RANK_RTOL, n * torch.finfo(precision).eps)
+
+
+def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
     """The semiseparable rank of lower-triangular ``M [..., n, n]``: the largest numerical
     rank over ``k`` of ``M[..., k:, :k + 1]`` (rows ``k ..``, columns ``.. k``: every block on
     and below the diagonal lies in one of these). Singular values count above ``rtol`` times
-    ``M``'s largest. Returns an integer tensor ``[...]``."""
-    M = M.to(MIXING_DTYPE)
+    ``M``'s largest (default: :func:`rank_rtol` of ``M``'s dtype - a float32 ``M``'s rounding
+    counts for nothing; a float64 ``M`` of float32 weights needs ``rank_rtol(n,
+    torch.float32)``, as :func:`depth_mixing_matrix` gives it). Returns an integer tensor ``[...]``."""
     n = M.shape[-1]
+    rtol = rank_rtol(n, M.dtype) if rtol is None else rtol
+    M = M.to(MIXING_DTYPE)
     scale = torch.linalg.matrix_norm(M, ord=2).unsqueeze(-1)  # [..., 1]
     ranks = [(torch.linalg.svdvals(M[..., k:, : k + 1]) > rtol * scale).sum(-1) for k in range(n)]
     return torch.stack(ranks, -1).amax(-1)
@@ -108,7 +126,7 @@ class DepthMixing:
     rank_of_mean: the semiseparable rank of ``matrix``.
     rank_tokens: how many tokens the rank was taken over (1 for input-independent variants).
     rank_over: what the rank's maximum runs over, in words.
-    rtol: the rank tolerance.
+    rtol: the rank tolerance (:func:`rank_rtol` of the dtype the model computed its weights in).
     reduction: how a variant that weights vectors was reduced to scalars, or ``None``.
     input_dependent: whether ``M`` depends on the input.
     source_groups: sources entering as one sum (Block AttnRes' blocks), or ``None``.
@@ -276,7 +294,7 @@ def _rank_over(input_dependent: bool, per_channel: bool, rank_tokens: int, n_tok
 
 @torch.no_grad()
 def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = False, rank_tokens: int = 256,
-                        rtol: float = RANK_RTOL) -> DepthMixing:
+                        rtol: float | None = None) -> DepthMixing:
     """The depth mixing matrix of ``model`` (an attnres decoder, or a ``transformers`` family
     model of ``attnres.upcycle``) on ``input_ids [B, T]`` (report §6.2, Fig. 9).
 
@@ -285,10 +303,14 @@ def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = F
     ``NotImplementedError`` naming the missing ``_mixing_matrix``). ``per_token``: keep the
     ``[B, T, L + 1, L + 1]`` matrices. ``rank_tokens``: the rank of an input-dependent ``M``
     is the largest over the first ``rank_tokens`` tokens (row-major over ``[B, T]``).
+    ``rtol``: the rank tolerance (default: :func:`rank_rtol` of the precision the model
+    computes its weights in - float32, or float64 for a float64 model).
     """
     mm = _recorded_mixing(model, input_ids)
     B, T = input_ids.shape
     W = mm.weights
+    if rtol is None:  # (the weights are float64 here, but hold the model's rounding)
+        rtol = rank_rtol(W.shape[-1], _weights_precision(model))
     if W.dim() == 2:
         tokens = W.unsqueeze(0)  # [1, n, n]: the same for every token
     else:
@@ -318,6 +340,13 @@ def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = F
     )
 
 
+def _weights_precision(model: nn.Module) -> torch.dtype:
+    """The dtype ``model`` computes its mixing weights in: depth attention's (float32, or
+    float64 for a float64 model) - at least float32 for a bf16 one too."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return compute_dtype(dtype)
+
+
 def depth_mixing_from_logged(residual, depth_weights: list[list[float]]) -> DepthMixing:
     """The token-averaged ``M`` of an AttnRes variant from mean depth weights logged during
     training (``forward_diagnostics``' ``depth_weights``: per mixer, the mean weight of each
@@ -335,8 +364,9 @@ def depth_mixing_from_logged(residual, depth_weights: list[list[float]]) -> Dept
     stats = source_stats(M.unsqueeze(0))
     for st in stats:
         st.std, st.sink = float("nan"), False
-    rank = int(semiseparable_rank(M))
+    rtol = rank_rtol(M.shape[-1], torch.float32)  # (the logged means: a float32 model's)
+    rank = int(semiseparable_rank(M, rtol))
     return DepthMixing(residual=residual.name, matrix=M, std=torch.full_like(M, float("nan")), rank=rank,
                        rank_of_mean=rank, rank_tokens=0, rank_over="the logged token-averaged M only (no checkpoint)",
-                       rtol=RANK_RTOL, reduction=None, input_dependent=True, source_groups=groups, sources=stats,
+                       rtol=rtol, reduction=None, input_dependent=True, source_groups=groups, sources=stats,
                        n_tokens=0)

@@ -47,7 +47,9 @@ def method_note(n_tokens: int | dict[str, int]) -> str:
             f"`v_i` (columns: `v_0` the embedding, `v_i` the raw output of sublayer `i`), averaged over {over}; a "
             "Block AttnRes block's weight is given to each of its members (report §6.2). Semiseparable "
             "rank: the largest numerical rank of the blocks `M[k:, :k+1]` (every block on and below the diagonal "
-            f"lies in one), counting singular values above {RANK_RTOL:g} × the largest singular value of `M`; for "
+            f"lies in one), counting singular values above {RANK_RTOL:g} × the largest singular value of `M` (weights "
+            "computed in float32: (L + 1) × float32's machine epsilon, 1.2e-07, where that is more - their rounding "
+            "is no direction of the mixing); for "
             "input-dependent variants the largest over the tokens' own matrices (and channels for channel-wise "
             "ones), beside the rank of the averaged `M`. Sink table: a source's weight averaged over the rows that "
             "see it; *relative* = that over the average weight of all sources in those rows (1 for the standard "
@@ -68,10 +70,11 @@ def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = N
     L = n_sublayers
     dense = (L + 2) // 2
     if uniform and residual in ("attnres_full", "attnres_block"):
-        # (SmolLM2's Block upcycle, 60 sublayers: float32 sixths one ulp apart, a second singular value of 4.5e-9)
+        # (SmolLM2's Block upcycle, 60 sublayers: float32 sixths one ulp apart gave a second singular value of
+        # 4.5e-9, above the threshold of float64 weights, 1e-9; mixing.rank_rtol now counts it for nothing)
         rounding = "" if not measured or measured < 2 else (
-            f"; the {measured} measured is rounding: equal weights that differ in their last bits, which the threshold "
-            f"of {RANK_RTOL:g} × the largest singular value counts")
+            f"; the {measured} measured is rounding: equal weights that differ in their last bits, above the rank's "
+            "threshold")
         return ("1: every weight uniform (zero pseudo-queries: a model at initialisation, an upcycle at conversion)"
                 f"{rounding}; report §6.2's bounds are for learnt queries", None, None)  # (no finding against them)
     if residual in ("standard", "highway", "rezero", "layerscale"):

@@ -42,6 +42,7 @@ from ..flops import to_pflops_days
 from ..layout import read_overhead, run_dir, saved_config
 from ..grids.multiplier import curve_crossing
 from ..stats import markdown_table, mean_std, t_interval
+from ...analysis.profiling import median_interval_coverage
 from .overhead import interval_label
 
 BASELINE = "standard"
@@ -137,6 +138,21 @@ def _equal_time_losses(groups: dict[str, list[Run]], step_ratio: dict[str, float
             for name, rs in groups.items() if name in step_ratio}
 
 
+#: The fewest rounds of the overhead timing whose interval of the median covers 95 %, the
+#: coverage the step-time ratio's noise stands for: over fewer (the range of the rounds, 2
+#: rounds 50 %) the noise is too narrow, and no equal-time conclusion is drawn.
+EQUAL_TIME_ROUNDS = next(n for n in range(1, 64) if median_interval_coverage(n) >= 0.95)
+
+
+def too_few_rounds(noisy: dict[str, tuple[float, float]], repeats: int) -> dict[str, tuple[float, float]]:
+    """:func:`equal_time_noise`'s readings of a timing over ``repeats`` rounds: as they are
+    from :data:`EQUAL_TIME_ROUNDS`, below it each spread infinite - every reading too noisy
+    (:func:`too_noisy`), whatever the narrower interval of those rounds says."""
+    if repeats >= EQUAL_TIME_ROUNDS:
+        return noisy
+    return {name: (effect, math.inf) for name, (effect, _) in noisy.items()}
+
+
 def too_noisy(effect: float, spread: float) -> bool:
     """Whether a measured ``effect`` cannot be told apart from noise of size ``spread``: the
     spread exceeds the effect, or either is not a number."""
@@ -180,7 +196,8 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
         losses["compute"] = _equal_compute_losses(groups)
         if step_ratio and BASELINE in step_ratio:
             losses["time"] = _equal_time_losses(groups, step_ratio)
-            noisy = equal_time_noise(groups, step_ratio, {n: v.get("step_ratio_noise") for n, v in overheads.items()})
+            noisy = too_few_rounds(equal_time_noise(groups, step_ratio, {n: v.get("step_ratio_noise")
+                                                                     for n, v in overheads.items()}), repeats)
 
     def cell(values: list[float], key: str, name: str) -> str:
         flag = key == "time" and name in noisy and too_noisy(*noisy[name])
@@ -227,7 +244,9 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
                   "batches; negative = AttnRes better): mean [95 % Student-t interval over the seeds] and the paired "
                   "t-test's p:\n\n" + markdown_table(header, paired_rows))
     if noisy:
-        md.append(_TIME_NOTE.format(interval=interval_label(repeats)))
+        md.append(_TIME_NOTE.format(interval=interval_label(repeats))
+                  + ("" if repeats >= EQUAL_TIME_ROUNDS else _FEW_ROUNDS_NOTE.format(repeats=repeats,
+                                                                                      rounds=EQUAL_TIME_ROUNDS)))
     if unread := _unread_note(groups, losses):
         md.append(unread)
     return "\n\n".join(md), gaps, noisy
@@ -257,6 +276,9 @@ _TIME_NOTE = ("Step time: CPU time of one training step at one thread, interleav
               "standard model lands from 1). Equal time reads each curve at the standard model's steps / that ratio; "
               "where moving the ratio by its noise moves the paired gap by more than the gap itself, the reading is "
               "marked \"too noisy\" and no equal-time conclusion is drawn.")
+_FEW_ROUNDS_NOTE = (" Timed over {repeats} round(s), fewer than the {rounds} whose interval covers 95 %: every "
+                    "equal-time reading is marked \"too noisy\" and none is drawn (`--overhead-repeats {rounds}` or more "
+                    "draws them).")
 
 
 def _tokens_per_s_cell(record: dict[str, Any], measured: dict[str, Any] | None) -> str:
@@ -490,7 +512,7 @@ def _stable_phase_md(groups: dict[str, list[Run]], start: int) -> str:
 
 
 def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | None = None,
-              noisy: dict[str, tuple[float, float]] | None = None) -> list[str]:
+              noisy: dict[str, tuple[float, float]] | None = None, repeats: int | None = None) -> list[str]:
     """Plain statements of what the measured numbers say about the report's claims; ``start``:
     the step a WSD decay begins; ``noisy``: :func:`equal_time_noise`."""
     out = []
@@ -501,6 +523,12 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | N
                 continue
             if key == "time" and name in (noisy or {}) and too_noisy(*noisy[name]):
                 effect, spread = noisy[name]
+                if math.isinf(spread):  # (too_few_rounds)
+                    out.append(f"{_LABELS.get(name, name)} at equal time: too noisy to draw a conclusion: the step-time "
+                               f"ratio was timed over {repeats} round(s), whose interval covers less than the 95 % its "
+                               f"noise stands for ({EQUAL_TIME_ROUNDS} rounds give it). Re-time it with the same command "
+                               f"and --overhead-repeats {EQUAL_TIME_ROUNDS} or more (finished runs are skipped).")
+                    continue
                 out.append(f"{_LABELS.get(name, name)} at equal time: too noisy to draw a conclusion: the step-time "
                            f"ratio's noise moves the paired gap ({effect:+.4f}) by up to {spread:.4f}. Re-time it on a "
                            "quieter machine with the same command (finished runs are skipped).")
@@ -542,8 +570,8 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     groups = {n: [r for r in runs if r.variant == n] for n in order}
     groups.update({n: rs for n, rs in _by_variant(runs).items() if n not in groups})
     measured = read_overhead(out)
-    tables, gaps, noisy = _tables(groups, measured["variants"] if measured else None,
-                                  measured.get("repeats", 10) if measured else 10)
+    repeats = measured.get("repeats", 10) if measured else 10
+    tables, gaps, noisy = _tables(groups, measured["variants"] if measured else None, repeats)
     parts = [tables]
     start = decay_start(out, runs[0].record) if runs else None
     wsd_note = "" if start is None else (
@@ -576,7 +604,7 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
                             out, _LABELS)
     if mixing is not None:
         parts.append(mixing)
-    findings = _findings(groups, gaps, start, noisy)
+    findings = _findings(groups, gaps, start, noisy, repeats)
     if findings:
         parts.append("## Findings (computed)\n\n" + "\n".join(f"- {f}" for f in findings))
     return "\n\n".join(parts)
