@@ -1013,6 +1013,49 @@ def test_a_residual_field_its_variant_does_not_read_is_warned_of(overrides, unre
                    for m in said), said
 
 
+def _unread_warnings(call) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+
+
+def test_a_model_config_built_in_python_is_warned_of_a_field_its_variant_does_not_read_once():
+    """ModelConfig(residual=ResidualConfig(kind="attnres_full", block_size=4)) built in Python
+    said nothing, where the same config on the command line is warned of. It is warned of once
+    as it is built; a config read (from_dict: a stored config, a config file - load_config warns
+    of its own, once) and replace / preset, which keep what a change of variant leaves, are not."""
+    from attnres.models.config import ResidualConfig
+
+    built = _unread_warnings(lambda: ModelConfig(residual=ResidualConfig(kind="attnres_full", block_size=4)))
+    assert len(built) == 1 and built[0].startswith("model.residual.block_size=4 is read only by attnres_block")
+    assert _unread_warnings(lambda: ModelConfig(residual={"kind": "attnres_block", "block_size": 4})) == []
+    stored = {"residual": {"kind": "attnres_full", "block_size": 4}}
+    assert _unread_warnings(lambda: ModelConfig.from_dict(stored)) == []
+    assert _unread_warnings(lambda: ModelConfig.preset("tiny", residual="standard")) == []
+    assert _unread_warnings(lambda: ModelConfig.preset("tiny").replace(residual="attnres_full")) == []
+    assert len(_unread_warnings(lambda: load_config(None, ["model.residual=attnres_full",
+                                                           "model.residual.block_size=4"]))) == 1
+
+
+def test_a_resume_without_a_config_file_checks_a_residual_field_against_the_runs_variant(tmp_path, corpus_file):
+    """`attnres train --resume model.residual.block_size=8` with no config file checked the
+    block size against the default model (Block AttnRes: nothing said) instead of the run's
+    Full AttnRes, which trains as if it were not there; Full AttnRes' own full_group_size was
+    warned of as unread by the default's Block AttnRes."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=1, checkpoint_every=1, eval_every=100,
+                                      diagnostics_every=100, **{"model.residual": "attnres_full"})))
+
+    def said(*extra: str) -> list[str]:
+        return _unread_warnings(lambda: cli_main(["train", "--resume", f"out_dir={run}", "--print-config", *extra]))
+
+    unread = said("model.residual.block_size=3")
+    assert len(unread) == 1 and "block_size=3 is read only by attnres_block: residual.kind 'attnres_full'" in unread[0]
+    assert said("model.residual.full_group_size=2") == []
+    assert said() == []
+
+
 def test_a_config_files_block_size_is_not_warned_of_when_the_command_changes_the_variant():
     """configs/train-cpu.yaml gives Block AttnRes a block size; `model.residual=standard` on it
     is its documented baseline, and says nothing - the same block size on the command line does."""

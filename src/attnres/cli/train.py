@@ -120,13 +120,14 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     from ..checkpoint import refuse_out_dir_not_a_run
     from ..distributed.launch import DistributedError
     from ..nn.residual.kinds import UnregisteredResidual
-    from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
-    from ..train.config import config_data, sets_vocab_size, yaml_dump
+    from ..models.config import warn_unread_residual_fields
+    from ..train import TrainingDiverged, TrainingOutOfMemory, train
+    from ..train.config import config_data, configured, sets_vocab_size, yaml_dump
     from ..train.resume import config_of_the_run, unregistered_in_the_resumed_run
 
     try:
         try:
-            config = load_config(config_path, overrides)
+            config, residual_fields = configured(config_path, overrides)
         except UnregisteredResidual as e:  # (a resumed run's kind restated without --import)
             said = unregistered_in_the_resumed_run(e, config_data(config_path, overrides))
             if said is None:
@@ -138,6 +139,8 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
             if stored_in is not None and rank_zero():
                 print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "
                       "the command's overrides applied", file=sys.stderr)
+        # (against the config trained: `--resume model.residual.block_size=8` sets the run's variant's)
+        warn_unread_residual_fields(residual_fields, config.model)
         if print_config:
             if not first_on_node():  # every rank of a launch resolves the same config
                 return 0

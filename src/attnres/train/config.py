@@ -700,10 +700,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
     (:func:`config_path`). A variant-specific residual field given for a variant that does
     not read it is warned of (:func:`_residual_fields_chosen`)."""
-    data = config_data(path, overrides)
-    config = TrainConfig.from_dict(data)
-    warn_unread_residual_fields(_residual_fields_chosen(data, overrides), config.model)
+    config, given = configured(path, overrides)
+    warn_unread_residual_fields(given, config.model)
     return config
+
+
+def configured(path: str | Path | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> tuple[TrainConfig, set[str]]:
+    """:func:`load_config`'s config, not yet warned of, and the variant-specific residual fields
+    the user gave (:func:`_residual_fields_chosen`): for ``attnres train``, which warns of them
+    against the config it trains - a resume without a config file the run's own variant, not
+    the defaults these overrides were applied to."""
+    data = config_data(path, overrides)
+    return TrainConfig.from_dict(data), _residual_fields_chosen(data, overrides)
 
 
 #: Override keys that choose the model's residual variant (a preset or directory brings its own).
