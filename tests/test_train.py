@@ -997,6 +997,11 @@ def test_a_refused_value_says_how_to_write_it(override, said):
     (["model.residual=standard", "model.attnres_block_size=2"], {("block_size", "standard", "attnres_block")}),
     (["model.residual.block_size=2"], set()),  # (the preset's Block AttnRes reads it)
     (["model.residual=attnres_full", "model.residual.block_size=null"], set()),  # (null: not a value)
+    # (the multi-stream variants' fields: read by them only)
+    (["model.residual=standard", "model.residual.hc_streams=8"],
+     {("hc_streams", "standard", "hyper_connections, mhc and mhc_lite")}),
+    (["model.residual=mhc_lite", "model.residual.sinkhorn_iters=5"], {("sinkhorn_iters", "mhc_lite", "mhc")}),
+    (["model.residual=mhc", "model.residual.hc_streams=2", "model.residual.sinkhorn_iters=5"], set()),
 ])
 def test_a_residual_field_its_variant_does_not_read_is_warned_of(overrides, unread):
     """model.residual.kind=attnres_full with model.residual.block_size=4 trained Full AttnRes
@@ -1011,6 +1016,22 @@ def test_a_residual_field_its_variant_does_not_read_is_warned_of(overrides, unre
     for name, kind, reader in unread:
         assert any(m.startswith(f"model.residual.{name}=") and f"read only by {reader}: residual.kind {kind!r}" in m
                    for m in said), said
+
+
+def test_the_multi_stream_fields_are_compared_only_for_the_variants_that_read_them():
+    """hc_streams and sinkhorn_iters were compared for every variant: a resume or init_from of
+    a standard run at model.residual.hc_streams=8 was "another model" though it builds the same,
+    and the unread-field warning did not cover them. They are VARIANT_FIELDS now, read by the
+    multi-stream variants (mHC-lite not the Sinkhorn iterations it does not run)."""
+    def fields(kind: str, **residual) -> dict:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ModelConfig.preset("tiny", residual={"kind": kind, **residual}).resolved_fields()
+
+    assert fields("standard", hc_streams=8, sinkhorn_iters=5) == fields("standard")
+    assert fields("mhc_lite", sinkhorn_iters=5) == fields("mhc_lite") != fields("mhc_lite", hc_streams=2)
+    assert fields("mhc", sinkhorn_iters=5) != fields("mhc") != fields("mhc", hc_streams=2)
+    assert fields("hyper_connections", sinkhorn_iters=5) == fields("hyper_connections")
 
 
 def _unread_warnings(call) -> list[str]:
@@ -1029,7 +1050,9 @@ def test_a_model_config_built_in_python_is_warned_of_a_field_its_variant_does_no
 
     built = _unread_warnings(lambda: ModelConfig(residual=ResidualConfig(kind="attnres_full", block_size=4)))
     assert len(built) == 1 and built[0].startswith("model.residual.block_size=4 is read only by attnres_block")
+    assert len(_unread_warnings(lambda: ModelConfig(residual={"kind": "standard", "hc_streams": 8}))) == 1
     assert _unread_warnings(lambda: ModelConfig(residual={"kind": "attnres_block", "block_size": 4})) == []
+    assert _unread_warnings(lambda: ModelConfig(residual={"kind": "mhc", "hc_streams": 4})) == []  # (its default)
     stored = {"residual": {"kind": "attnres_full", "block_size": 4}}
     assert _unread_warnings(lambda: ModelConfig.from_dict(stored)) == []
     assert _unread_warnings(lambda: ModelConfig.preset("tiny", residual="standard")) == []
