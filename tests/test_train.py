@@ -105,6 +105,27 @@ def test_resume_is_bit_exact(tmp_path, corpus_file, extra):
     assert steps == list(range(1, 7))
 
 
+@pytest.mark.parametrize("compiled_first", [True, False])
+def test_a_compiled_run_resumes_eager_and_the_other_way_round(tmp_path, corpus_file, monkeypatch, compiled_first):
+    """A run trained with compile=true was refused on a resume without it ("the config differs
+    in ['compile']"), though torch.compile runs the same function (the parallel layouts, which
+    round differently too, may change): a run could not go on where no compiler is at hand. It
+    resumes either way, to the eager run's weights and optimiser state: the checkpoints name
+    the weights without '_orig_mod.' and keep the optimiser state by position. (Dynamo's eager
+    backend here: the graphs without inductor's minutes of compiling on two cores.)"""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    train(load_config(None, overrides(corpus_file, tmp_path / "full")))
+    first, then = ("true", "false") if compiled_first else ("false", "true")
+    train(load_config(None, overrides(corpus_file, tmp_path / "split", stop_after=3, compile=first)))
+    second = train(load_config(None, overrides(corpus_file, tmp_path / "split", resume="true", compile=then)))
+    assert second.step == 6
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+    assert_same_weights(load_file(str(latest_checkpoint(tmp_path / "full") / "optimizer.safetensors")),
+                        load_file(str(latest_checkpoint(tmp_path / "split") / "optimizer.safetensors")))
+
+
 def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file, capsys, monkeypatch):
     """``attnres train out_dir=R --resume`` had to restate every override of the first
     command (else "the config differs in model.d_model ..."); without a config file the run's

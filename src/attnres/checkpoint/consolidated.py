@@ -43,7 +43,7 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights, weight_key
 from .residual import refuse_residual_change
-from ..nn.compiled import by_own_names, uncompiled
+from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
 from ..validation import check_path_argument
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
@@ -59,7 +59,11 @@ def _split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
                 tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    # (the parameters' names of an optimiser built from named_parameters() as the weights are
+    # stored: without torch.compile's '_orig_mod.', whichever of compiled or not loads them)
+    groups = [{**g, "param_names": [uncompiled_name(n) for n in g["param_names"]]} if "param_names" in g else g
+              for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
 
 
 def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,10 @@ RESUMABLE_CHANGES = frozenset({
     # So do tensor and pipeline parallelism (the same sums, split differently), and
     # recomputing activations in the backward pass (the same function).
     *(f"parallel.{name}" for name in PARALLEL_RULES), "activation_checkpoint",
+    # And torch.compile (the same function, its fused kernels rounding as they do; the
+    # checkpoints name the weights without its '_orig_mod.', the optimiser state by position):
+    # a compiled run resumes eager, where no compiler is at hand, and the other way round.
+    "compile",
 })
 
 
