@@ -378,3 +378,32 @@ def test_a_finished_run_copied_without_its_checkpoints_is_finished(runs, tmp_pat
     stopped = tmp_path / "stopped"
     shutil.copytree(runs / "grid" / "block" / "seed0", stopped, ignore=shutil.ignore_patterns("checkpoints"))
     assert (run_status(stopped).step, run_status(stopped).state) == (3, "stopped")
+
+
+def _written_run(run: Path, residual: dict, records: list[dict]) -> Path:
+    """A run directory as a run writes it (config.json, metrics.jsonl), no checkpoint."""
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"steps": 6, "model": {"n_layers": 2, "d_model": 32,
+                                                                      "residual": residual}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def test_the_block_size_is_shown_for_every_variant_that_reads_it(tmp_path):
+    """status showed S for residual.kind "attnres_block" by name: a subclass of Block AttnRes
+    registered by the user (read with `attnres --import MODULE status`) showed none. S is
+    shown wherever the run's variant reads the block size (its class's reads_fields); not for
+    one that does not, nor for a kind not registered here (not guessed)."""
+    from attnres.nn.residual import BlockAttnRes, register_residual
+
+    @register_residual("status_block_test", replace=True)
+    class StatusBlock(BlockAttnRes):
+        pass
+
+    record = [{"kind": "train", "step": 1, "loss": 3.0}]
+    S = {kind: run_status(_written_run(tmp_path / kind, {"kind": kind, "block_size": 4}, record)).block_size
+         for kind in ("attnres_block", "status_block_test", "attnres_full", "not_registered_here")}
+    assert S == {"attnres_block": 4, "status_block_test": 4, "attnres_full": None, "not_registered_here": None}
+    assert run_status(_written_run(tmp_path / "auto", {"kind": "attnres_block", "block_size": None}, record)).block_size \
+        is None  # (the derived S: not stored, not shown)
+

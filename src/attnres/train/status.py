@@ -41,9 +41,10 @@ class RunStatus:
     that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
     or a lock left by a process of another host); ``config_error``: why its ``config.json``
     cannot be read, and where the model and ``steps`` came from instead; ``tokenizer``: what its
-    losses are per token of (:func:`tokenizer_description`); ``block_size``: Block AttnRes' S
-    (``None`` for other residuals), which tells the runs of a block-size sweep apart; ``data``:
-    the text it trained on (:func:`data_fingerprint`)."""
+    losses are per token of (:func:`tokenizer_description`); ``block_size``: the S its config
+    stores for a variant that reads it (Block AttnRes and its subclasses; ``None`` for other
+    residuals, and for one not registered here: :func:`_block_size`), which tells the runs of a
+    block-size sweep apart; ``data``: the text it trained on (:func:`data_fingerprint`)."""
 
     path: str
     residual: str | None
@@ -137,8 +138,23 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
                      state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
-                     block_size=residual.get("block_size") if isinstance(residual, dict) and kind == "attnres_block"
-                     else None, data=data_fingerprint(newest))
+                     block_size=_block_size(residual, kind), data=data_fingerprint(newest))
+
+
+def _block_size(residual: Any, kind: Any) -> int | None:
+    """The block size a run's config stores, where its variant reads it (its class's
+    ``reads_fields``: Block AttnRes, a subclass of it, a variant of the user's that declares
+    it; by name, only Block AttnRes itself showed it); ``None`` for another variant, and for a
+    kind not registered here (a residual of the user's whose module this command did not
+    import, ``attnres --import MODULE status``: its class is not guessed)."""
+    from ..nn.residual import residual_class
+
+    size = residual.get("block_size") if isinstance(residual, dict) else None
+    try:
+        reads = "block_size" in residual_class(kind).reads_fields
+    except ValueError:  # (UnregisteredResidual)
+        return None
+    return size if reads and isinstance(size, int) else None
 
 
 def tokenizer_description(config: dict[str, Any]) -> str | None:
