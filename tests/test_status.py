@@ -407,3 +407,21 @@ def test_the_block_size_is_shown_for_every_variant_that_reads_it(tmp_path):
     assert run_status(_written_run(tmp_path / "auto", {"kind": "attnres_block", "block_size": None}, record)).block_size \
         is None  # (the derived S: not stored, not shown)
 
+
+def test_a_run_resumed_onto_other_text_is_said_to_be(tmp_path, capsys):
+    """plot warned of a run resumed onto other text (its metrics.jsonl's data_change record):
+    its validation losses before and after are of two texts. status said nothing of it. It
+    names the run and the step (once, where an earlier version logged a repeated resume twice)."""
+    change = {"kind": "data_change", "step": 2, "fingerprint": "b" * 64, "before": "a" * 64}
+    records = [{"kind": "eval", "step": 2, "val_loss": 3.0}, change, change, {"kind": "eval", "step": 4, "val_loss": 2.0}]
+    run = _written_run(tmp_path / "runs" / "resumed", {"kind": "standard"}, records)
+    _written_run(tmp_path / "runs" / "plain", {"kind": "standard"}, records[:1])
+    assert run_status(run).data_changes == [2]
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert (f"{run} was resumed onto other text (allow_data_change) at step 2: its validation loss before and after is "
+            "of two texts' validation splits, which do not compare") in out
+    assert out.count("resumed onto other text") == 1
+    assert cli_main(["status", str(tmp_path / "runs"), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["data_changes"] for r in rows] == [[], [2]]

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from ..checkpoint.manifest import STATE_FILE
 from ..output_paths import read_json_object
 from ..shell_words import shell_path
 from .lock import LOCK_FILE, stale_here
-from .metrics import METRICS_FILE, read_metrics
+from .metrics import DATA_CHANGE, METRICS_FILE, read_metrics
 
 __all__ = ["RunStatus", "find_runs", "run_status"]
 
@@ -44,7 +44,9 @@ class RunStatus:
     losses are per token of (:func:`tokenizer_description`); ``block_size``: the S its config
     stores for a variant that reads it (Block AttnRes and its subclasses; ``None`` for other
     residuals, and for one not registered here: :func:`_block_size`), which tells the runs of a
-    block-size sweep apart; ``data``: the text it trained on (:func:`data_fingerprint`)."""
+    block-size sweep apart; ``data``: the text it trained on (:func:`data_fingerprint`); ``data_changes``: the steps it was
+    resumed at onto other text (``allow_data_change``: its metrics.jsonl's ``data_change``
+    records), where its validation loss changes text."""
 
     path: str
     residual: str | None
@@ -63,6 +65,7 @@ class RunStatus:
     tokenizer: str | None = None
     block_size: int | None = None
     data: str | None = None
+    data_changes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,7 +141,8 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
                      state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
-                     block_size=_block_size(residual, kind), data=data_fingerprint(newest))
+                     block_size=_block_size(residual, kind), data=data_fingerprint(newest),
+                     data_changes=sorted({r["step"] for r in records if r["kind"] == DATA_CHANGE}))
 
 
 def _block_size(residual: Any, kind: Any) -> int | None:
