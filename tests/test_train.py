@@ -1100,6 +1100,28 @@ def test_a_resume_without_a_config_file_checks_a_residual_field_against_the_runs
     assert said() == []
 
 
+def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults(tmp_path, corpus_file):
+    """`attnres train --resume model.residual.block_size=4` without a config file on a run of 4
+    layers (8 sublayers) warned that 4 "is at least the model's 4 sublayers": the overrides were
+    applied to the default model first, and what was said of it was shown. Only what is said
+    of the run's own config is; where no run is found to resume, the defaults' (they train)."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=1, checkpoint_every=1, eval_every=100,
+                                      diagnostics_every=100, **{"model.n_layers": 4})))
+
+    def said(out: Path, *extra: str) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # (as the command shows them: once each)
+            assert cli_main(["train", "--resume", f"out_dir={out}", "--print-config", *extra]) == 0
+        return [str(w.message) for w in caught if "is at least the model's" in str(w.message)]
+
+    assert said(run, "model.residual.block_size=4") == []
+    single = said(run, "model.residual.block_size=8")  # (the run's 8 sublayers: one block)
+    assert len(single) == 1 and "is at least the model's 8 sublayers" in single[0]
+    (tmp_path / "empty").mkdir()  # (a run with no checkpoint yet: the defaults train, and are said)
+    assert len(said(tmp_path / "empty", "model.residual.block_size=4")) == 1
+
+
 def test_a_config_files_block_size_is_not_warned_of_when_the_command_changes_the_variant():
     """configs/train-cpu.yaml gives Block AttnRes a block size; `model.residual=standard` on it
     is its documented baseline, and says nothing - the same block size on the command line does."""
