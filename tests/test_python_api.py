@@ -599,6 +599,35 @@ def test_a_checkpoint_of_a_compiled_model_loads_into_the_model_and_back(tmp_path
     assert torch.equal(into(ids).logits, logits)
 
 
+def test_an_optimiser_of_a_compiled_model_stores_its_parameters_own_names(tmp_path):
+    """An optimiser built from ``torch.compile(model).named_parameters()`` names its
+    parameters ``_orig_mod.<name>`` (its state dict's ``param_names``): ``save_checkpoint``
+    stored them so, beside weights stored without it, and an optimiser of the plain model that
+    loaded them took the compiled names (torch keeps the stored ones). They are stored as the
+    weights are; the state itself is by position and loads either way."""
+    import json
+
+    from attnres.checkpoint import load_checkpoint, save_checkpoint
+
+    model = tiny_model()
+    compiled = torch.compile(model)
+    optimizer = torch.optim.AdamW(compiled.named_parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    state = {"config": {"model": model.config.to_dict()}}
+    path = save_checkpoint(tmp_path / "run", 1, compiled, optimizer, state, keep=1)
+    stored = json.loads((path / "state.json").read_text())["optimizer"]["param_groups"][0]["param_names"]
+    own = [name for name, _ in model.named_parameters()]
+    assert stored == own
+    into = tiny_model()
+    plain = torch.optim.AdamW(into.named_parameters())
+    load_checkpoint(path, into, plain, restore_rng=False)
+    assert list(plain.state_dict()["param_groups"][0]["param_names"]) == own
+    assert all(torch.equal(plain.state[p]["exp_avg"], optimizer.state[q]["exp_avg"])
+               for p, q in zip(into.parameters(), model.parameters()))
+
+
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_numpy_integers_are_taken_wherever_generate_takes_ints(decode):
     """``generate(model, ids, max_new_tokens=np.int64(3))`` (a count from a NumPy array or a

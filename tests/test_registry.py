@@ -904,7 +904,7 @@ def test_a_users_variant_that_declares_the_block_size_it_reads_is_another_model_
                         Source(tmp_path / "step-00000001", {"config": saved, "step": 1}))
     assert "residual.block_size" not in model.replace(residual=SCALED).resolved_fields()
     with pytest.raises(ValueError, match=r"^register_residual\('misspelt_test'\): .*Misspelt\.reads_fields must be a set "
-                                         r"of 'block_size', 'full_group_size' .*; got frozenset\(\{'blocksize'\}\)"):
+                                         r"of 'block_size', 'full_group_size', 'hc_streams', 'sinkhorn_iters' .*; got frozenset\(\{'blocksize'\}\)"):
         @register_residual("misspelt_test")
         class Misspelt(BlockScaledResidual):
             reads_fields = frozenset({"blocksize"})

@@ -288,3 +288,43 @@ def test_sharded_weights_load_into_a_model_with_a_compiled_part(tmp_path):
     load_sharded_weights(path, model)
     held = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
     assert all(torch.equal(held[k], v) for k, v in read_sharded_tensors(path).items())
+
+
+def test_a_model_with_a_compiled_part_saves_and_resumes_under_its_own_names(tmp_path):
+    """``save_sharded`` stored the names its caller passed: a model with a compiled block
+    (``model.layers[0] = torch.compile(model.layers[0])``) wrote ``model.layers.0._orig_mod.<name>``
+    and ``optim.layers.0._orig_mod.<name>.exp_avg``, which a resume with nothing compiled could
+    not find (nor the other way round). They are stored under their own names, as
+    ``write_checkpoint`` stores them, and ``load_sharded`` reads a compiled part's names so."""
+    from attnres.checkpoint import load_sharded
+    from attnres.nn.compiled import uncompiled_name
+
+    config = load_config(None, ["model.d_model=32", "seq_len=16", "batch_size=2", "steps=4", "progress=false"])
+
+    def trained(compiled: bool):
+        torch.manual_seed(0)
+        model = AttnResLM(config.model)
+        if compiled:
+            model.layers[0] = torch.compile(model.layers[0])  # (compiled at its first call: never here)
+        optimizer = build_optimizer(model, config)
+        for p in model.parameters():  # (one optimiser step: state to store)
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return model, optimizer
+
+    for saved_compiled in (True, False):
+        model, optimizer = trained(saved_compiled)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+            path = save_sharded(tmp_path / f"run-{saved_compiled}", 1, dict(model.named_parameters()), optimizer,
+                                {"config": config.to_dict()}, keep=1)
+        stored = [*read_sharded_tensors(path), *read_sharded_tensors(path, "optim.")]
+        assert stored and not any("_orig_mod" in name for name in stored), stored
+        own = {uncompiled_name(n): p for n, p in model.named_parameters()}
+        other, other_optimizer = trained(not saved_compiled)
+        for p in other.parameters():
+            p.data.zero_()
+        load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
+        for name, p in other.named_parameters():
+            assert torch.equal(p, own[uncompiled_name(name)]), name
+            assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])

@@ -378,3 +378,50 @@ def test_a_finished_run_copied_without_its_checkpoints_is_finished(runs, tmp_pat
     stopped = tmp_path / "stopped"
     shutil.copytree(runs / "grid" / "block" / "seed0", stopped, ignore=shutil.ignore_patterns("checkpoints"))
     assert (run_status(stopped).step, run_status(stopped).state) == (3, "stopped")
+
+
+def _written_run(run: Path, residual: dict, records: list[dict]) -> Path:
+    """A run directory as a run writes it (config.json, metrics.jsonl), no checkpoint."""
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"steps": 6, "model": {"n_layers": 2, "d_model": 32,
+                                                                      "residual": residual}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def test_the_block_size_is_shown_for_every_variant_that_reads_it(tmp_path):
+    """status showed S for residual.kind "attnres_block" by name: a subclass of Block AttnRes
+    registered by the user (read with `attnres --import MODULE status`) showed none. S is
+    shown wherever the run's variant reads the block size (its class's reads_fields); not for
+    one that does not, nor for a kind not registered here (not guessed)."""
+    from attnres.nn.residual import BlockAttnRes, register_residual
+
+    @register_residual("status_block_test", replace=True)
+    class StatusBlock(BlockAttnRes):
+        pass
+
+    record = [{"kind": "train", "step": 1, "loss": 3.0}]
+    S = {kind: run_status(_written_run(tmp_path / kind, {"kind": kind, "block_size": 4}, record)).block_size
+         for kind in ("attnres_block", "status_block_test", "attnres_full", "not_registered_here")}
+    assert S == {"attnres_block": 4, "status_block_test": 4, "attnres_full": None, "not_registered_here": None}
+    assert run_status(_written_run(tmp_path / "auto", {"kind": "attnres_block", "block_size": None}, record)).block_size \
+        is None  # (the derived S: not stored, not shown)
+
+
+def test_a_run_resumed_onto_other_text_is_said_to_be(tmp_path, capsys):
+    """plot warned of a run resumed onto other text (its metrics.jsonl's data_change record):
+    its validation losses before and after are of two texts. status said nothing of it. It
+    names the run and the step (once, where an earlier version logged a repeated resume twice)."""
+    change = {"kind": "data_change", "step": 2, "fingerprint": "b" * 64, "before": "a" * 64}
+    records = [{"kind": "eval", "step": 2, "val_loss": 3.0}, change, change, {"kind": "eval", "step": 4, "val_loss": 2.0}]
+    run = _written_run(tmp_path / "runs" / "resumed", {"kind": "standard"}, records)
+    _written_run(tmp_path / "runs" / "plain", {"kind": "standard"}, records[:1])
+    assert run_status(run).data_changes == [2]
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert (f"{run} was resumed onto other text (allow_data_change) at step 2: its validation loss before and after is "
+            "of two texts' validation splits, which do not compare") in out
+    assert out.count("resumed onto other text") == 1
+    assert cli_main(["status", str(tmp_path / "runs"), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["data_changes"] for r in rows] == [[], [2]]

@@ -105,6 +105,27 @@ def test_resume_is_bit_exact(tmp_path, corpus_file, extra):
     assert steps == list(range(1, 7))
 
 
+@pytest.mark.parametrize("compiled_first", [True, False])
+def test_a_compiled_run_resumes_eager_and_the_other_way_round(tmp_path, corpus_file, monkeypatch, compiled_first):
+    """A run trained with compile=true was refused on a resume without it ("the config differs
+    in ['compile']"), though torch.compile runs the same function (the parallel layouts, which
+    round differently too, may change): a run could not go on where no compiler is at hand. It
+    resumes either way, to the eager run's weights and optimiser state: the checkpoints name
+    the weights without '_orig_mod.' and keep the optimiser state by position. (Dynamo's eager
+    backend here: the graphs without inductor's minutes of compiling on two cores.)"""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    train(load_config(None, overrides(corpus_file, tmp_path / "full")))
+    first, then = ("true", "false") if compiled_first else ("false", "true")
+    train(load_config(None, overrides(corpus_file, tmp_path / "split", stop_after=3, compile=first)))
+    second = train(load_config(None, overrides(corpus_file, tmp_path / "split", resume="true", compile=then)))
+    assert second.step == 6
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+    assert_same_weights(load_file(str(latest_checkpoint(tmp_path / "full") / "optimizer.safetensors")),
+                        load_file(str(latest_checkpoint(tmp_path / "split") / "optimizer.safetensors")))
+
+
 def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file, capsys, monkeypatch):
     """``attnres train out_dir=R --resume`` had to restate every override of the first
     command (else "the config differs in model.d_model ..."); without a config file the run's
@@ -997,6 +1018,11 @@ def test_a_refused_value_says_how_to_write_it(override, said):
     (["model.residual=standard", "model.attnres_block_size=2"], {("block_size", "standard", "attnres_block")}),
     (["model.residual.block_size=2"], set()),  # (the preset's Block AttnRes reads it)
     (["model.residual=attnres_full", "model.residual.block_size=null"], set()),  # (null: not a value)
+    # (the multi-stream variants' fields: read by them only)
+    (["model.residual=standard", "model.residual.hc_streams=8"],
+     {("hc_streams", "standard", "hyper_connections, mhc and mhc_lite")}),
+    (["model.residual=mhc_lite", "model.residual.sinkhorn_iters=5"], {("sinkhorn_iters", "mhc_lite", "mhc")}),
+    (["model.residual=mhc", "model.residual.hc_streams=2", "model.residual.sinkhorn_iters=5"], set()),
 ])
 def test_a_residual_field_its_variant_does_not_read_is_warned_of(overrides, unread):
     """model.residual.kind=attnres_full with model.residual.block_size=4 trained Full AttnRes
@@ -1011,6 +1037,89 @@ def test_a_residual_field_its_variant_does_not_read_is_warned_of(overrides, unre
     for name, kind, reader in unread:
         assert any(m.startswith(f"model.residual.{name}=") and f"read only by {reader}: residual.kind {kind!r}" in m
                    for m in said), said
+
+
+def test_the_multi_stream_fields_are_compared_only_for_the_variants_that_read_them():
+    """hc_streams and sinkhorn_iters were compared for every variant: a resume or init_from of
+    a standard run at model.residual.hc_streams=8 was "another model" though it builds the same,
+    and the unread-field warning did not cover them. They are VARIANT_FIELDS now, read by the
+    multi-stream variants (mHC-lite not the Sinkhorn iterations it does not run)."""
+    def fields(kind: str, **residual) -> dict:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ModelConfig.preset("tiny", residual={"kind": kind, **residual}).resolved_fields()
+
+    assert fields("standard", hc_streams=8, sinkhorn_iters=5) == fields("standard")
+    assert fields("mhc_lite", sinkhorn_iters=5) == fields("mhc_lite") != fields("mhc_lite", hc_streams=2)
+    assert fields("mhc", sinkhorn_iters=5) != fields("mhc") != fields("mhc", hc_streams=2)
+    assert fields("hyper_connections", sinkhorn_iters=5) == fields("hyper_connections")
+
+
+def _unread_warnings(call) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+
+
+def test_a_model_config_built_in_python_is_warned_of_a_field_its_variant_does_not_read_once():
+    """ModelConfig(residual=ResidualConfig(kind="attnres_full", block_size=4)) built in Python
+    said nothing, where the same config on the command line is warned of. It is warned of once
+    as it is built; a config read (from_dict: a stored config, a config file - load_config warns
+    of its own, once) and replace / preset, which keep what a change of variant leaves, are not."""
+    from attnres.models.config import ResidualConfig
+
+    built = _unread_warnings(lambda: ModelConfig(residual=ResidualConfig(kind="attnres_full", block_size=4)))
+    assert len(built) == 1 and built[0].startswith("model.residual.block_size=4 is read only by attnres_block")
+    assert len(_unread_warnings(lambda: ModelConfig(residual={"kind": "standard", "hc_streams": 8}))) == 1
+    assert _unread_warnings(lambda: ModelConfig(residual={"kind": "attnres_block", "block_size": 4})) == []
+    assert _unread_warnings(lambda: ModelConfig(residual={"kind": "mhc", "hc_streams": 4})) == []  # (its default)
+    stored = {"residual": {"kind": "attnres_full", "block_size": 4}}
+    assert _unread_warnings(lambda: ModelConfig.from_dict(stored)) == []
+    assert _unread_warnings(lambda: ModelConfig.preset("tiny", residual="standard")) == []
+    assert _unread_warnings(lambda: ModelConfig.preset("tiny").replace(residual="attnres_full")) == []
+    assert len(_unread_warnings(lambda: load_config(None, ["model.residual=attnres_full",
+                                                           "model.residual.block_size=4"]))) == 1
+
+
+def test_a_resume_without_a_config_file_checks_a_residual_field_against_the_runs_variant(tmp_path, corpus_file):
+    """`attnres train --resume model.residual.block_size=8` with no config file checked the
+    block size against the default model (Block AttnRes: nothing said) instead of the run's
+    Full AttnRes, which trains as if it were not there; Full AttnRes' own full_group_size was
+    warned of as unread by the default's Block AttnRes."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=1, checkpoint_every=1, eval_every=100,
+                                      diagnostics_every=100, **{"model.residual": "attnres_full"})))
+
+    def said(*extra: str) -> list[str]:
+        return _unread_warnings(lambda: cli_main(["train", "--resume", f"out_dir={run}", "--print-config", *extra]))
+
+    unread = said("model.residual.block_size=3")
+    assert len(unread) == 1 and "block_size=3 is read only by attnres_block: residual.kind 'attnres_full'" in unread[0]
+    assert said("model.residual.full_group_size=2") == []
+    assert said() == []
+
+
+def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults(tmp_path, corpus_file):
+    """`attnres train --resume model.residual.block_size=4` without a config file on a run of 4
+    layers (8 sublayers) warned that 4 "is at least the model's 4 sublayers": the overrides were
+    applied to the default model first, and what was said of it was shown. Only what is said
+    of the run's own config is; where no run is found to resume, the defaults' (they train)."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=1, checkpoint_every=1, eval_every=100,
+                                      diagnostics_every=100, **{"model.n_layers": 4})))
+
+    def said(out: Path, *extra: str) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # (as the command shows them: once each)
+            assert cli_main(["train", "--resume", f"out_dir={out}", "--print-config", *extra]) == 0
+        return [str(w.message) for w in caught if "is at least the model's" in str(w.message)]
+
+    assert said(run, "model.residual.block_size=4") == []
+    single = said(run, "model.residual.block_size=8")  # (the run's 8 sublayers: one block)
+    assert len(single) == 1 and "is at least the model's 8 sublayers" in single[0]
+    (tmp_path / "empty").mkdir()  # (a run with no checkpoint yet: the defaults train, and are said)
+    assert len(said(tmp_path / "empty", "model.residual.block_size=4")) == 1
 
 
 def test_a_config_files_block_size_is_not_warned_of_when_the_command_changes_the_variant():

@@ -203,6 +203,35 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
                         "before": read_checkpoint_state(run / "checkpoints" / "step-00000003")["data"]["fingerprint"]}]
 
 
+def test_a_data_change_is_logged_once_per_resume_that_makes_it(tmp_path, corpus_file):
+    """Resuming twice from the checkpoint before a change of text (resume_from it again) kept
+    the first resume's data_change record, at the resume step, and added the second's: plot
+    and status read two changes. Resumed from it once more onto the old text, the run kept
+    a change it no longer made. The record at the resume step is the resume's own to write."""
+    from attnres.checkpoint import read_checkpoint_state
+
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    before = latest_checkpoint(run)
+    original = corpus_file.read_text(encoding="utf-8")
+    edit_one_word(corpus_file)
+    again = dict(resume_from=str(before), allow_data_change="true")
+
+    def changes() -> list[int]:
+        return [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "data_change"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(load_config(None, bpe(corpus_file, run, resume="true", allow_data_change="true")))
+        assert changes() == [3]
+        train(load_config(None, bpe(corpus_file, run, **again)))
+        assert changes() == [3]
+        corpus_file.write_text(original, encoding="utf-8")  # (back onto the checkpoint's own text)
+        train(load_config(None, bpe(corpus_file, run, **again)))
+    assert changes() == []
+    assert read_checkpoint_state(latest_checkpoint(run))["data"] == read_checkpoint_state(before)["data"]
+
+
 def test_a_resume_onto_other_data_takes_no_earlier_version_s_cache_of_it(tmp_path, corpus_file):
     """A resumed run that allow_data_change lets onto other text took an earlier version's
     token cache of that text (its ids cut inside whitespace runs, see docs/data.md) with "It is

@@ -43,7 +43,7 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights, weight_key
 from .residual import refuse_residual_change
-from ..nn.compiled import uncompiled, uncompiled_name
+from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
 from ..validation import check_path_argument
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
@@ -59,7 +59,11 @@ def _split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
                 tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    # (the parameters' names of an optimiser built from named_parameters() as the weights are
+    # stored: without torch.compile's '_orig_mod.', whichever of compiled or not loads them)
+    groups = [{**g, "param_names": [uncompiled_name(n) for n in g["param_names"]]} if "param_names" in g else g
+              for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
 
 
 def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
@@ -71,20 +75,6 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
         state.setdefault(int(idx), {}).update(entry)
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()} for g in meta["param_groups"]]
     return {"state": state, "param_groups": groups}
-
-
-def _own_names(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model_state`` under its weights' own names (:func:`~attnres.nn.compiled.uncompiled_name`),
-    or ``ValueError`` where two names are one without ``_orig_mod.`` (a module holding both
-    ``x.w`` and ``x._orig_mod.w``): one would have been stored over the other."""
-    own: dict[str, str] = {}
-    for name in model_state:
-        taken = own.setdefault(uncompiled_name(name), name)
-        if taken != name:
-            raise ValueError(f"write_checkpoint: the weights {taken!r} and {name!r} are both stored as "
-                             f"{uncompiled_name(name)!r} (a checkpoint names weights without torch.compile's "
-                             "'_orig_mod.'): rename the module attribute called '_orig_mod'")
-    return {own_name: model_state[name] for own_name, name in own.items()}
 
 
 def _unique_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -124,7 +114,7 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
     if reserved or any(Path(name).name != name for name in extra):
         raise ValueError(f"checkpoint files must be plain names other than the checkpoint's own; got {sorted(extra)}")
-    model_state = _own_names(model_state)
+    model_state = by_own_names(model_state, "write_checkpoint")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     try:

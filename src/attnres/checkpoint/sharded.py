@@ -54,7 +54,7 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights
 from .residual import refuse_residual_change
-from ..nn.compiled import uncompiled
+from ..nn.compiled import by_own_names, uncompiled
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
            "verify_dcp_files"]
@@ -121,8 +121,9 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
                  run_state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None, main: bool = True,
                  agree: Callable[[Exception | None], None] = _alone) -> Path:
     """Write the sharded checkpoint of ``step`` (every rank calls this, with its own
-    ``params``: full-model names to this rank's parameters, DTensors where sharded); returns
-    its directory. ``main``: this rank writes the run state (rank 0), after checking that
+    ``params``: full-model names to this rank's parameters, DTensors where sharded, stored
+    without ``torch.compile``'s ``_orig_mod.`` as :func:`~attnres.checkpoint.write_checkpoint`
+    stores them); returns its directory. ``main``: this rank writes the run state (rank 0), after checking that
     it sees every file the DCP metadata names. ``agree(error)``: a collective that raises on
     every rank when any rank passes an error (the trainer's: every rank stops together).
 
@@ -148,6 +149,9 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
         publish_checkpoint(tmp, final, out_dir, names,
                            {"format_version": FORMAT_VERSION, "layout": DCP_LAYOUT, "step": step}, run_state, keep)
 
+    # (the names without torch.compile's '_orig_mod.' of a part compiled whole: the checkpoint's, as
+    # write_checkpoint's, which a model with nothing compiled resumes from)
+    params = by_own_names(params, "save_sharded")
     failure: CheckpointWriteError | None = None
     try:
         agree(_attempt(prepare, final) if main else None)
@@ -219,12 +223,14 @@ def verify_dcp_files(path: str | Path, state: dict[str, Any]) -> None:
 
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
                  restore_rng: bool = True) -> None:
-    """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout) and
-    ``optimizer`` in place: each rank reads its own shards. Every rank calls this."""
+    """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout; a compiled
+    part's ``_orig_mod.`` names are read as their own) and ``optimizer`` in place: each rank
+    reads its own shards. Every rank calls this."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
+    params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
     sd = _state_dict(params, optimizer)

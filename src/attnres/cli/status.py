@@ -33,6 +33,11 @@ def run(args, parser) -> int:
     for status in runs:  # (the table's model and steps for such a run: its checkpoint's, or "?")
         if status.config_error is not None:
             print(f"\n{status.path}: {status.config_error}")
+    for status in runs:  # (one run's validation losses across a resume onto other text: two texts')
+        if status.data_changes:
+            print(f"\n{status.path} was resumed onto other text (allow_data_change) at step "
+                  f"{', '.join(map(str, status.data_changes))}: its validation loss before and after is of two "
+                  "texts' validation splits, which do not compare")
     tokenizers = {s.tokenizer for s in runs if s.tokenizer is not None}
     if len(tokenizers) > 1:  # (a byte run's 1.6 beside a BPE run's 4.1: nats per byte against per word piece)
         print(f"\nthe losses are per token of different tokenizers ({', '.join(sorted(tokenizers))}), which do not "

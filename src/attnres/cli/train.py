@@ -120,24 +120,30 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     from ..checkpoint import refuse_out_dir_not_a_run
     from ..distributed.launch import DistributedError
     from ..nn.residual.kinds import UnregisteredResidual
-    from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
+    from ..models.config import warn_unread_residual_fields
+    from ..train import TrainingDiverged, TrainingOutOfMemory, train
     from ..train.config import config_data, sets_vocab_size, yaml_dump
     from ..train.resume import config_of_the_run, unregistered_in_the_resumed_run
 
     try:
         try:
-            config = load_config(config_path, overrides)
+            config, residual_fields, held = _configured_held(config_path, overrides)
         except UnregisteredResidual as e:  # (a resumed run's kind restated without --import)
             said = unregistered_in_the_resumed_run(e, config_data(config_path, overrides))
             if said is None:
                 raise
             raise ValueError(said) from None
+        stored_in = None
         if config_path is None and config.resuming:  # the run's own config: no model to restate
             refuse_out_dir_not_a_run(config.out_dir)  # (before saying it resumes what is there)
             config, stored_in = config_of_the_run(config, overrides)
             if stored_in is not None and rank_zero():
                 print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "
                       "the command's overrides applied", file=sys.stderr)
+        if stored_in is None:  # (else they were of the defaults; the run's config, built with the overrides, said its own)
+            _show(held)
+        # (against the config trained: `--resume model.residual.block_size=8` sets the run's variant's)
+        warn_unread_residual_fields(residual_fields, config.model)
         if print_config:
             if not first_on_node():  # every rank of a launch resolves the same config
                 return 0
@@ -169,6 +175,36 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     if rank_zero():
         print(_end_of_run(result, config))
     return 0
+
+
+def _configured_held(config_path: str | None, overrides: list[str]) -> tuple:
+    """:func:`~attnres.train.config.configured` and the warnings it gave, held back: a resume
+    without a config file trains the run's own config with the overrides
+    (:func:`~attnres.train.resume.config_of_the_run`), and what was said of the defaults they
+    were applied to is not of it (`--resume model.residual.block_size=8` on a 24-layer run
+    warned that 8 "is at least the model's 4 sublayers", the default model's). Shown at once
+    where the config cannot be built."""
+    import warnings
+
+    from ..train.config import configured
+
+    with warnings.catch_warnings(record=True) as held:
+        try:
+            built, failed = configured(config_path, overrides), None
+        except BaseException as e:  # noqa: BLE001 - shown, then raised as it was
+            built, failed = None, e
+    if failed is not None:
+        _show(held)
+        raise failed
+    return (*built, held)
+
+
+def _show(held: list) -> None:
+    """Issue the warnings ``held`` (``warnings.catch_warnings(record=True)``'s) as they were."""
+    import warnings
+
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _default_options_note(residual) -> str | None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +52,50 @@ def warn_unread_residual_fields(given: set[str], config: ModelConfig) -> None:
     """Warn once for each of ``given`` (:func:`residual_fields_given`) that ``config``'s variant
     does not read: ``residual.kind=attnres_full`` with ``residual.block_size=4`` trained as if
     the block size were not there. A warning, not a refusal: the field is kept in the run's
-    config, and a run may be resumed as a variant that reads it (allow_residual_change)."""
+    config, and a run may be resumed as a variant that reads it (allow_residual_change).
+
+    The one warning of it, given where the user states the config: ``ModelConfig(...)`` built
+    in Python (the fields it holds other than their defaults), ``load_config`` (the config
+    file's and the overrides' fields), ``attnres train`` (the same, checked against the config
+    it trains: a resume without a config file the run's own). ``from_dict``, ``replace`` and
+    ``preset`` say nothing (:func:`_read_quietly`): they read stored configs and config files,
+    and keep the fields a change of variant leaves, as documented."""
     kind = config.residual.kind
     for name in sorted(given - residual_class(kind).reads_fields):
         readers = [k for k in registered_residuals() if name in residual_class(k).reads_fields]
         warn_user(f"model.residual.{name}={getattr(config.residual, name)!r} is read only by "
-                  f"{' and '.join(readers) or 'no registered variant'}: residual.kind {kind!r} builds the same model "
-                  f"whatever it holds, so it is not used (leave it out, or set model.residual.kind to "
-                  f"{' or '.join(readers) or 'the variant that reads it'})")
+                  f"{_listed(readers, 'and') or 'no registered variant'}: residual.kind {kind!r} builds the same "
+                  f"model whatever it holds, so it is not used (leave it out, or set model.residual.kind to "
+                  f"{_listed(readers, 'or') or 'the variant that reads it'})")
+
+
+def _listed(names: list[str], conjunction: str) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return f" {conjunction} ".join(filter(None, (", ".join(names[:-1]), *names[-1:])))
+
+
+# True within _read_quietly, in its own thread (or asyncio task) only, as migrations.stored_config.
+_reading: contextvars.ContextVar[bool] = contextvars.ContextVar("attnres_model_config_reading", default=False)
+
+
+@contextlib.contextmanager
+def _read_quietly() -> Iterator[None]:
+    """Within it, a ``ModelConfig`` built does not warn of the residual fields its variant does
+    not read (``from_dict`` and what builds on it): a stored config was warned of when its run
+    started, a config file is by ``load_config``, and ``preset("tiny", residual="standard")``
+    keeps the preset's block size as ``replace`` documents."""
+    token = _reading.set(True)
+    try:
+        yield
+    finally:
+        _reading.reset(token)
+
+
+def _fields_set(residual: ResidualConfig) -> set[str]:
+    """The fields of :data:`VARIANT_FIELDS` that ``residual`` holds other than their defaults
+    (``block_size=None`` the derived one, ``hc_streams=4``): those a ``ModelConfig(...)`` built
+    in Python gave."""
+    return {name for name in VARIANT_FIELDS if getattr(residual, name) != _RESIDUAL_DEFAULTS[name]}
 
 
 @dataclass
@@ -111,6 +150,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self.residual = ResidualConfig.from_value(self.residual)
         self.validate()
+        if not _reading.get():  # (built in Python: the user's own statement)
+            warn_unread_residual_fields(_fields_set(self.residual), self)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes that do not exist: the deprecated flat residual keys.
@@ -210,7 +251,8 @@ class ModelConfig:
                              "name: ModelConfig.preset(name))")
         data = migrate_model_keys(data)
         _CHECK.known_keys(data, _FIELDS, SECTIONS)
-        return cls(**data)
+        with _read_quietly():
+            return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated); ``residual`` changes only what it names."""
@@ -240,6 +282,7 @@ def require_model_config(config: Any, who: str) -> None:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+_RESIDUAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ResidualConfig)}
 #: The nested section's fields, named as such when given at the top level (``block_size=4``,
 #: whose nearest top-level spelling, ``vocab_size``, was the hint).
 SECTIONS = {"residual": [f.name for f in dataclasses.fields(ResidualConfig)]}

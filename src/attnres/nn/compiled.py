@@ -8,10 +8,14 @@ checkpoint loaders (``attnres.checkpoint.module``) and the model's own ``load_st
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from typing import TypeVar
 
 from torch import nn
 
-__all__ = ["COMPILED_PREFIX", "uncompiled", "uncompiled_name"]
+__all__ = ["COMPILED_PREFIX", "by_own_names", "uncompiled", "uncompiled_name"]
+
+V = TypeVar("V")
 
 #: The attribute of ``torch.compile``'s wrapper that holds the original module.
 _ORIGINAL = "_orig_mod"
@@ -38,3 +42,18 @@ def uncompiled_name(name: str) -> str:
     (``_orig_mod.model.norm.weight`` and ``model._orig_mod.norm.weight``: ``model.norm.weight``):
     the name the weight has where nothing is compiled."""
     return ".".join(part for part in name.split(".") if part != _ORIGINAL)
+
+
+def by_own_names(named: Mapping[str, V], who: str) -> dict[str, V]:
+    """``named`` (weights, parameters) under their own names (:func:`uncompiled_name`), as a
+    checkpoint stores them, or ``ValueError`` naming ``who`` where two names are one without
+    ``_orig_mod.`` (a module holding both ``x.w`` and ``x._orig_mod.w``): one would have been
+    stored over the other."""
+    own: dict[str, str] = {}
+    for name in named:
+        taken = own.setdefault(uncompiled_name(name), name)
+        if taken != name:
+            raise ValueError(f"{who}: the weights {taken!r} and {name!r} are both stored as "
+                             f"{uncompiled_name(name)!r} (a checkpoint names weights without torch.compile's "
+                             "'_orig_mod.'): rename the module attribute called '_orig_mod'")
+    return {own_name: named[name] for own_name, name in own.items()}

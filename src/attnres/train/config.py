@@ -52,6 +52,10 @@ RESUMABLE_CHANGES = frozenset({
     # So do tensor and pipeline parallelism (the same sums, split differently), and
     # recomputing activations in the backward pass (the same function).
     *(f"parallel.{name}" for name in PARALLEL_RULES), "activation_checkpoint",
+    # And torch.compile (the same function, its fused kernels rounding as they do; the
+    # checkpoints name the weights without its '_orig_mod.', the optimiser state by position):
+    # a compiled run resumes eager, where no compiler is at hand, and the other way round.
+    "compile",
 })
 
 
@@ -700,10 +704,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
     (:func:`config_path`). A variant-specific residual field given for a variant that does
     not read it is warned of (:func:`_residual_fields_chosen`)."""
-    data = config_data(path, overrides)
-    config = TrainConfig.from_dict(data)
-    warn_unread_residual_fields(_residual_fields_chosen(data, overrides), config.model)
+    config, given = configured(path, overrides)
+    warn_unread_residual_fields(given, config.model)
     return config
+
+
+def configured(path: str | Path | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> tuple[TrainConfig, set[str]]:
+    """:func:`load_config`'s config, not yet warned of, and the variant-specific residual fields
+    the user gave (:func:`_residual_fields_chosen`): for ``attnres train``, which warns of them
+    against the config it trains - a resume without a config file the run's own variant, not
+    the defaults these overrides were applied to."""
+    data = config_data(path, overrides)
+    return TrainConfig.from_dict(data), _residual_fields_chosen(data, overrides)
 
 
 #: Override keys that choose the model's residual variant (a preset or directory brings its own).

@@ -141,12 +141,17 @@ class MetricsLogger:
 
     ``resume_step``: ``None`` starts a fresh log; otherwise the records up to that step are
     kept and the rest (logged by an interrupted run after its last checkpoint, and redone
-    now) dropped, as is an unreadable line."""
+    now) dropped, as is an unreadable line and a :data:`DATA_CHANGE` record of that step (an
+    earlier resume's from the same checkpoint: the run writes its own)."""
 
     def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None, wandb: WandbMirror | None = None) -> None:
         self.path = out_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            # (a data_change record at the resume step is an earlier resume's from this checkpoint, which
+            # writes none past it: this resume writes its own, if its data changed - two resumes from the
+            # checkpoint before a change logged the change twice, and one back onto the old text kept it)
+            kept = [r for r in read_metrics(self.path)
+                    if r["step"] < resume_step or (r["step"] == resume_step and r["kind"] != DATA_CHANGE)]
             # through a file renamed into place: a process killed (or a disk full) while writing
             # left the log cut short, the run's history before the checkpoint gone with it
             tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")

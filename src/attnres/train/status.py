@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from ..checkpoint.manifest import STATE_FILE
 from ..output_paths import read_json_object
 from ..shell_words import shell_path
 from .lock import LOCK_FILE, stale_here
-from .metrics import METRICS_FILE, read_metrics
+from .metrics import DATA_CHANGE, METRICS_FILE, read_metrics
 
 __all__ = ["RunStatus", "find_runs", "run_status"]
 
@@ -41,9 +41,12 @@ class RunStatus:
     that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
     or a lock left by a process of another host); ``config_error``: why its ``config.json``
     cannot be read, and where the model and ``steps`` came from instead; ``tokenizer``: what its
-    losses are per token of (:func:`tokenizer_description`); ``block_size``: Block AttnRes' S
-    (``None`` for other residuals), which tells the runs of a block-size sweep apart; ``data``:
-    the text it trained on (:func:`data_fingerprint`)."""
+    losses are per token of (:func:`tokenizer_description`); ``block_size``: the S its config
+    stores for a variant that reads it (Block AttnRes and its subclasses; ``None`` for other
+    residuals, and for one not registered here: :func:`_block_size`), which tells the runs of a
+    block-size sweep apart; ``data``: the text it trained on (:func:`data_fingerprint`); ``data_changes``: the steps it was
+    resumed at onto other text (``allow_data_change``: its metrics.jsonl's ``data_change``
+    records), where its validation loss changes text."""
 
     path: str
     residual: str | None
@@ -62,6 +65,7 @@ class RunStatus:
     tokenizer: str | None = None
     block_size: int | None = None
     data: str | None = None
+    data_changes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,8 +141,24 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
                      state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
-                     block_size=residual.get("block_size") if isinstance(residual, dict) and kind == "attnres_block"
-                     else None, data=data_fingerprint(newest))
+                     block_size=_block_size(residual, kind), data=data_fingerprint(newest),
+                     data_changes=sorted({r["step"] for r in records if r["kind"] == DATA_CHANGE}))
+
+
+def _block_size(residual: Any, kind: Any) -> int | None:
+    """The block size a run's config stores, where its variant reads it (its class's
+    ``reads_fields``: Block AttnRes, a subclass of it, a variant of the user's that declares
+    it; by name, only Block AttnRes itself showed it); ``None`` for another variant, and for a
+    kind not registered here (a residual of the user's whose module this command did not
+    import, ``attnres --import MODULE status``: its class is not guessed)."""
+    from ..nn.residual import residual_class
+
+    size = residual.get("block_size") if isinstance(residual, dict) else None
+    try:
+        reads = "block_size" in residual_class(kind).reads_fields
+    except ValueError:  # (UnregisteredResidual)
+        return None
+    return size if reads and isinstance(size, int) else None
 
 
 def tokenizer_description(config: dict[str, Any]) -> str | None:

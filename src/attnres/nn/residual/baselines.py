@@ -307,6 +307,7 @@ class _MultiStream(_Builtin, ResidualStream):
     ``res [..., m, m]`` (``res[i, j]``: weight of old stream ``j`` in new stream ``i``)."""
 
     upcycles_exactly = False  # (m equal streams: the final norm reads their sum, its epsilon in effect / m^2)
+    reads_fields = frozenset({"hc_streams"})
 
     def __init__(self, dim: int, n_sublayers: int, n_streams: int) -> None:
         super().__init__(dim, n_sublayers)
@@ -410,6 +411,8 @@ class HyperConnections(_MultiStream):
 class MHC(_MultiStream):
     """Manifold-constrained Hyper-Connections (Xie et al. 2026), ``m`` streams."""
 
+    reads_fields = frozenset({"hc_streams", "sinkhorn_iters"})
+
     def __init__(self, dim: int, n_sublayers: int, n_streams: int = 4, sinkhorn_iters: int = 20, eps: float = 1e-6, alpha_init: float = 0.01) -> None:
         super().__init__(dim, n_sublayers, n_streams)
         m = n_streams
@@ -468,6 +471,8 @@ class MHC(_MultiStream):
 class MHCLite(MHC):
     """mHC-lite (Yang & Gao 2026): ``H_res = sum_k softmax(logits)_k P_k`` over all ``m!``
     permutation matrices ``P_k`` - doubly stochastic by construction, no iterations."""
+
+    reads_fields = frozenset({"hc_streams"})  # (not mHC's sinkhorn_iters: it has none)
 
     def __init__(self, dim: int, n_sublayers: int, n_streams: int = 4, eps: float = 1e-6, alpha_init: float = 0.01) -> None:
         if n_streams > 6:

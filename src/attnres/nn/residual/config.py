@@ -35,9 +35,10 @@ __all__ = [
 SCHEDULES = ("two_phase", "naive")
 
 #: The fields of :class:`ResidualConfig` that only some variants build from (Block AttnRes the
-#: block size, Full AttnRes its Appendix-B group): a variant names those it reads in
+#: block size, Full AttnRes its Appendix-B group, Hyper-Connections, mHC and mHC-lite their
+#: streams, mHC its Sinkhorn iterations): a variant names those it reads in
 #: ``ResidualStream.reads_fields``, and to any other the model is the same whatever they hold.
-VARIANT_FIELDS = ("block_size", "full_group_size")
+VARIANT_FIELDS = ("block_size", "full_group_size", "hc_streams", "sinkhorn_iters")
 
 
 @dataclass(frozen=True)
