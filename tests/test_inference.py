@@ -1137,3 +1137,21 @@ def test_one_prompts_ids_without_a_batch_dimension_are_told_how_to_add_it():
     assert torch.equal(generate(model, torch.tensor(ids)[None], max_new_tokens=2),
                        generate(model, torch.tensor([ids]), max_new_tokens=2))
 
+
+def test_an_id_outside_the_vocabulary_names_input_ids_and_the_tokenizer():
+    """newuser13: ids of another tokenizer (a larger vocabulary than the model's) were refused
+    with "token id 300 is outside the vocabulary [0, 256)", naming neither the argument nor
+    the usual cause; ``generate``, the forward and ``stream_transformers`` name ``input_ids``
+    and the model's own tokenizer."""
+    from attnres.hf import AttnResForCausalLM
+    from attnres.inference import stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    vocab = model.config.vocab_size
+    ids = torch.tensor([[5, vocab + 44]])
+    message = (rf"input_ids: token id {vocab + 44} is outside the vocabulary \[0, {vocab}\) of the model \(vocab_size\): "
+               r"encode the text with the tokenizer the model was trained with")
+    for call in (lambda x: generate(model, x, max_new_tokens=2), model,
+                 lambda x: list(stream_transformers(AttnResForCausalLM.from_native(model).eval(), x, max_new_tokens=2))):
+        with pytest.raises(ValueError, match=message):
+            call(ids)

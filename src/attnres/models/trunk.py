@@ -53,7 +53,9 @@ def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
     lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        # (the argument named: of generate, the forward and the export's, ids of another tokenizer are the usual cause)
+        raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab_size}) of the model "
+                         "(vocab_size): encode the text with the tokenizer the model was trained with")
 
 
 def _values_readable(tensor: Tensor) -> bool:
