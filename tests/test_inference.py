@@ -1155,3 +1155,18 @@ def test_an_id_outside_the_vocabulary_names_input_ids_and_the_tokenizer():
                  lambda x: list(stream_transformers(AttnResForCausalLM.from_native(model).eval(), x, max_new_tokens=2))):
         with pytest.raises(ValueError, match=message):
             call(ids)
+
+
+def test_a_cache_capacity_beyond_the_context_is_refused():
+    """newuser13: ``prefill(model, ids, capacity=10**6)`` allocated a cache of a million
+    positions for a model of a 128-token context, which no generation can fill (the static
+    cache, ``StaticKVCache``, refuses such a capacity); refused alike, naming the limit. The
+    context itself is a capacity that works."""
+    model = make_model(residual="attnres_block").eval()
+    limit = model.config.max_seq_len
+    ids = torch.tensor([[5, 17, 42]])
+    with pytest.raises(ValueError, match=rf"capacity must be <= ModelConfig.max_seq_len={limit}, the most positions a "
+                                         rf"generation fills; got {limit + 1}"):
+        prefill(model, ids, capacity=limit + 1)
+    _, cache = prefill(model, ids, capacity=limit)
+    assert cache.seq_len == 3

@@ -95,6 +95,9 @@ def prefill(
     _check_chunk_size(chunk_size)
     if isinstance(capacity, bool) or not isinstance(capacity, Integral) or capacity < 0:
         raise ValueError(f"capacity must be an integer >= 0 (positions to allocate; 0: the prompt's), got {capacity!r}")
+    if capacity > (limit := model.config.max_seq_len):  # (allocated at once, never filled: as StaticKVCache refuses it)
+        raise ValueError(f"capacity must be <= ModelConfig.max_seq_len={limit}, the most positions a generation fills; "
+                         f"got {capacity}")
     t = input_ids.shape[1]
     if chunk_size is None:
         chunk_size = t
