@@ -1109,3 +1109,64 @@ def test_a_cache_read_or_cropped_at_a_position_it_does_not_have_is_refused_by_na
     assert cache.seq_len == 5 and cache.keys(1).shape[2] == 5
     cache.crop(3)
     assert cache.seq_len == 3 and cache.values(0).shape[2] == 3
+
+
+def test_one_prompts_ids_without_a_batch_dimension_are_told_how_to_add_it():
+    """newuser13: ``generate(model, torch.tensor(tokenizer.encode(text)))`` - one prompt's ids,
+    as the tokenizer gives them - was refused with "input_ids must have shape [batch, seq_len],
+    got (3,)" (and the list itself with "must be a tensor, got list"), which leaves the reader to
+    find the batch dimension. ``generate``, ``stream``, the model's forward and
+    ``stream_transformers`` now say how to make a batch of one; a list of rows is told
+    ``torch.tensor(ids)`` and left padding."""
+    from attnres.inference import stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    ids = [5, 17, 42]
+    one = r"one prompt's ids are a batch of one, "
+    for call in (lambda x: generate(model, x, max_new_tokens=2), lambda x: list(stream(model, x, max_new_tokens=2)),
+                 model, lambda x: list(stream_transformers(_meta_parameter_model(), x, max_new_tokens=2))):
+        with pytest.raises(ValueError, match=one + re.escape("input_ids[None] ([1, seq_len])")):
+            call(torch.tensor(ids))
+    for call in (lambda x: generate(model, x, max_new_tokens=2), model):
+        with pytest.raises(ValueError, match=r"input_ids must be a tensor, got list: " + one +
+                                             re.escape("torch.tensor([ids]) ([1, seq_len])")):
+            call(ids)
+        with pytest.raises(ValueError, match=re.escape("torch.tensor(ids), each row the same length (left-pad")):
+            call([ids, ids[:2]])
+    # the fixes it names run: a batch of one gives the tokens of the same prompt in a batch
+    assert torch.equal(generate(model, torch.tensor(ids)[None], max_new_tokens=2),
+                       generate(model, torch.tensor([ids]), max_new_tokens=2))
+
+
+def test_an_id_outside_the_vocabulary_names_input_ids_and_the_tokenizer():
+    """newuser13: ids of another tokenizer (a larger vocabulary than the model's) were refused
+    with "token id 300 is outside the vocabulary [0, 256)", naming neither the argument nor
+    the usual cause; ``generate``, the forward and ``stream_transformers`` name ``input_ids``
+    and the model's own tokenizer."""
+    from attnres.hf import AttnResForCausalLM
+    from attnres.inference import stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    vocab = model.config.vocab_size
+    ids = torch.tensor([[5, vocab + 44]])
+    message = (rf"input_ids: token id {vocab + 44} is outside the vocabulary \[0, {vocab}\) of the model \(vocab_size\): "
+               r"encode the text with the tokenizer the model was trained with")
+    for call in (lambda x: generate(model, x, max_new_tokens=2), model,
+                 lambda x: list(stream_transformers(AttnResForCausalLM.from_native(model).eval(), x, max_new_tokens=2))):
+        with pytest.raises(ValueError, match=message):
+            call(ids)
+
+
+def test_a_cache_capacity_beyond_the_context_is_refused():
+    """newuser13: ``prefill(model, ids, capacity=10**6)`` allocated a cache of a million
+    positions for a model of a 128-token context, which no generation can fill (the static
+    cache, ``StaticKVCache``, refuses such a capacity); refused alike, naming the limit. The
+    context itself is a capacity that works."""
+    model = make_model(residual="attnres_block").eval()
+    limit = model.config.max_seq_len
+    ids = torch.tensor([[5, 17, 42]])
+    with pytest.raises(ValueError, match=rf"capacity must be <= ModelConfig.max_seq_len={limit}, the most positions a "
+                                         rf"generation fills; got {limit + 1}"):
+        prefill(model, ids, capacity=limit + 1)
+    _, cache = prefill(model, ids, capacity=limit)
+    assert cache.seq_len == 3

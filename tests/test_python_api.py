@@ -438,6 +438,35 @@ def test_loading_a_checkpoint_into_a_model_of_another_residual_is_refused_naming
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+
+@pytest.mark.parametrize("loader", ["load_checkpoint", "load_weights"])
+def test_a_checkpoint_whose_weights_do_not_fit_a_model_of_another_residual_says_which_residual(tmp_path, loader):
+    """newuser13: a Block AttnRes checkpoint into a standard model (weights that do not fit)
+    was refused with the residual's weights alone ("does not fit the model: missing [],
+    unexpected ['residual.mixers.0.key_norm.weight', ...]"), not saying that the model was built
+    with another residual than the checkpoint's, nor how to build that one. The refusal now
+    names both residuals and the way out; a model of the checkpoint's residual but another
+    width is refused as before, without it."""
+    from attnres.checkpoint import CheckpointError, load_checkpoint, load_weights, read_checkpoint_state
+
+    path, _ = block_checkpoint(tmp_path / "run")
+
+    def load(model):
+        if loader == "load_checkpoint":
+            load_checkpoint(path, model)
+        else:
+            load_weights(path, read_checkpoint_state(path), model)
+
+    with pytest.raises(CheckpointError, match=r"does not fit the model: missing \[\], unexpected \['residual.*\]\. The "
+                                              r"checkpoint's model has another residual \(model.residual.kind: "
+                                              r"'attnres_block' there, 'standard' here\): build the model with the "
+                                              r"checkpoint's residual \(config.model.residual in its state.json\), or load "
+                                              r"the checkpoint's own model with attnres.inference.load_run$"):
+        load(tiny_model(n_layers=4, residual="standard"))
+    with pytest.raises(CheckpointError) as refused:
+        load(tiny_model(n_layers=4, d_model=32, residual={"kind": "attnres_block", "block_size": 2}))
+    assert "another residual" not in str(refused.value)
+
 def test_a_checkpoint_loads_into_its_own_residual_an_allowed_other_one_and_a_plain_module(tmp_path):
     """The refusal above asks only where the model tells its residual (an ``AttnResLM``) and it
     is another one: the same residual by another kernel loads, ``allow_residual_change=True``

@@ -285,10 +285,34 @@ def test_decoder_decodes_greedily_and_rewinds():
     assert decoder.length == 13
     decoder.rewind(7)
     assert torch.equal(decoder.decode(first, 6), want[:, 1:])
-    with pytest.raises(ValueError, match="static cache is full"):
+    with pytest.raises(ValueError, match=r"StaticDecoder.decode: 4 steps from 13 positions need 17"):
         decoder.decode(first, 4)
-    with pytest.raises(ValueError, match=r"seq_len must be in \[0, 16\]"):
+    with pytest.raises(ValueError, match=r"seq_len must be in \[0, 13\]"):
         decoder.rewind(17)
+
+
+def test_decoding_past_the_capacity_is_refused_before_any_step():
+    """newuser13: ``decode(tokens, n)`` with room for fewer than ``n`` steps ran the steps that
+    fit, then refused the next one ("the static cache is full"): the tokens decoded were lost
+    and the decoder was left at its capacity. It is refused before any step, saying how many
+    fit and the capacity that takes ``n``; the decoder is as it was, and the steps that fit
+    decode what they would have."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=10, decode="dynamic")
+    logits, cache = prefill(model, ids, mask)
+    decoder = StaticDecoder(model, 3, capacity=ids.shape[1] + 9, mode="eager")
+    decoder.load(cache, mask)
+    first = logits.argmax(-1)
+    with pytest.raises(ValueError, match=rf"StaticDecoder.decode: 12 steps from {ids.shape[1]} positions need "
+                                         rf"{ids.shape[1] + 12}, beyond the decoder's capacity of {ids.shape[1] + 9}: "
+                                         rf"decode at most 9 steps, rewind it, or build it with capacity >= "
+                                         rf"{ids.shape[1] + 12}$"):
+        decoder.decode(first, 12)
+    assert decoder.length == ids.shape[1]
+    assert torch.equal(decoder.decode(first, 9), want[:, 1:])
+    with pytest.raises(ValueError, match=r"need .*: rewind it, or build it with capacity"):
+        decoder.decode(first, 1)
 
 
 def test_captured_graph_is_refreshed_when_the_weights_it_reads_change():

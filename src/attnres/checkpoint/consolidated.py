@@ -42,7 +42,7 @@ from .manifest import (
 )
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights, weight_key
-from .residual import refuse_residual_change
+from .residual import refuse_residual_change, residual_hint
 from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
 from ..validation import check_path_argument
 
@@ -167,6 +167,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             optimizer.load_state_dict(read_optimizer_state(path, doc))
         if restore_rng:
             _restore_rng(path)
+    except CheckpointError as e:  # weights that do not fit: of a model with another residual, said so
+        raise CheckpointError(f"{e}{residual_hint(path, doc, model)}") from None
     except (SafetensorError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model/optimiser: {e}") from None
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model/optimiser: {e}"
+                              f"{residual_hint(path, doc, model)}") from None
     return doc

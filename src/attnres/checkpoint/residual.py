@@ -16,7 +16,7 @@ from torch import nn
 
 from .manifest import STATE_FILE, CheckpointError
 
-__all__ = ["refuse_residual_change"]
+__all__ = ["refuse_residual_change", "residual_hint"]
 
 
 def refuse_residual_change(path: str | Path, state: dict[str, Any] | None, model: nn.Module, allowed: bool) -> None:
@@ -31,20 +31,47 @@ def refuse_residual_change(path: str | Path, state: dict[str, Any] | None, model
     from ..models.config import ModelConfig
     from ..models.residual_change import residual_change_refusal
 
-    config = getattr(model, "config", None)
-    if not isinstance(config, ModelConfig):
+    if (found := _saved_and_ours(path, state, model, ModelConfig)) is None:
         return
-    if state is None:
-        try:
-            state = json.loads((Path(path) / STATE_FILE).read_text())
-        except (OSError, ValueError):
-            return  # (reading the weights says what is wrong with the checkpoint)
-    saved = (state.get("config") or {}).get("model") if isinstance(state, dict) else None
-    if not isinstance(saved, dict):
-        return
+    saved, config = found
     refusal = residual_change_refusal(
         saved, config, f"checkpoint {str(path)!r}", "this model's",
         "Build the model with the checkpoint's residual (config.model.residual in its state.json), or pass "
         "allow_residual_change=True to load its weights into this residual")
     if refusal is not None:
         raise CheckpointError(refusal)
+
+
+def _saved_and_ours(path: str | Path, state: dict[str, Any] | None, model: nn.Module, model_config: type):
+    """``(the checkpoint's stored model config, model's ModelConfig)``, or ``None`` where
+    ``model`` tells no residual or the checkpoint stores no config (``state``: its
+    ``state.json``, read here where ``None``)."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, model_config):
+        return None
+    if state is None:
+        try:
+            state = json.loads((Path(path) / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return None  # (reading the weights says what is wrong with the checkpoint)
+    saved = (state.get("config") or {}).get("model") if isinstance(state, dict) else None
+    return (saved, config) if isinstance(saved, dict) else None
+
+
+def residual_hint(path: str | Path, state: dict[str, Any] | None, model: nn.Module) -> str:
+    """What to add to a load's refusal of weights that do not fit ``model`` where the
+    checkpoint is of another residual (a Block AttnRes run into a standard model): the
+    missing and unexpected weights alone did not say that the model was built with another
+    residual, nor how to build the checkpoint's. ``""`` where the residuals agree, ``model``
+    tells none or the checkpoint stores no config."""
+    from ..models.config import ModelConfig
+    from ..models.residual_change import residual_difference
+
+    if (found := _saved_and_ours(path, state, model, ModelConfig)) is None:
+        return ""
+    values = residual_difference(*found)
+    if values is None:
+        return ""
+    return (f". The checkpoint's model has another residual ({values}): build the model with the checkpoint's "
+            "residual (config.model.residual in its state.json), or load the checkpoint's own model with "
+            "attnres.inference.load_run")

@@ -53,7 +53,7 @@ from .manifest import (
 )
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights
-from .residual import refuse_residual_change
+from .residual import refuse_residual_change, residual_hint
 from ..nn.compiled import by_own_names, uncompiled
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
@@ -272,4 +272,7 @@ def load_sharded_weights(path: str | Path, model: nn.Module, state: dict[str, An
     the caller has read it."""
     model = uncompiled(model)
     refuse_residual_change(path, state, model, allow_residual_change)
-    load_weights(path, model, read_sharded_tensors(path))
+    try:
+        load_weights(path, model, read_sharded_tensors(path))
+    except CheckpointError as e:  # weights that do not fit: of a model with another residual, said so
+        raise CheckpointError(f"{e}{residual_hint(path, state, model)}") from None

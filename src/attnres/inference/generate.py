@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..models.factory import context_limit
 from ..models.lm import AttnResLM
-from ..models.trunk import check_token_values
+from ..models.trunk import check_token_values, one_prompt_hint
 from ..nn.compiled import uncompiled
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
@@ -95,6 +95,9 @@ def prefill(
     _check_chunk_size(chunk_size)
     if isinstance(capacity, bool) or not isinstance(capacity, Integral) or capacity < 0:
         raise ValueError(f"capacity must be an integer >= 0 (positions to allocate; 0: the prompt's), got {capacity!r}")
+    if capacity > (limit := model.config.max_seq_len):  # (allocated at once, never filled: as StaticKVCache refuses it)
+        raise ValueError(f"capacity must be <= ModelConfig.max_seq_len={limit}, the most positions a generation fills; "
+                         f"got {capacity}")
     t = input_ids.shape[1]
     if chunk_size is None:
         chunk_size = t
@@ -425,7 +428,8 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
+        raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}"
+                         f"{one_prompt_hint(input_ids)}")
     _check_generator(generator, model_device(model), input_ids.shape[0], "the model")
     # (a model that accelerate dispatched over devices, device_map=..., moves the ids itself)
     device = None if getattr(model, "hf_device_map", None) else model_device(model)

@@ -207,6 +207,12 @@ class StaticDecoder:
         ``[B, n]``. Nothing is read back to the host."""
         if not Int(1).ok(n):  # (n=0 ended in torch.stack's "stack expects a non-empty TensorList")
             raise ValueError(f"StaticDecoder.decode: n (the steps to decode) must be an integer >= 1, got {n!r}")
+        if self.length + n > self.capacity:  # (step's own refusal came after the steps that fit: their tokens lost)
+            room = self.capacity - self.length
+            fits = f"decode at most {room} step{'s' * (room != 1)}, " if room else ""
+            raise ValueError(f"StaticDecoder.decode: {n} steps from {self.length} positions need {self.length + n}, "
+                             f"beyond the decoder's capacity of {self.capacity}: {fits}rewind it, or build it with "
+                             f"capacity >= {self.length + n}")
         out = []
         for _ in range(n):
             tokens = self.step(tokens).argmax(dim=-1)

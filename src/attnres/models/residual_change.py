@@ -16,7 +16,7 @@ from ..migrations import stored_config
 from .config import READ_BY_SOME_KINDS, ModelConfig
 from .factory import build_model
 
-__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal"]
+__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal", "residual_difference"]
 
 #: The residual fields that change how a model is computed or stored, not what it computes
 #: (see ``ResidualConfig``): a checkpoint's weights continue the same model under another one.
@@ -103,3 +103,16 @@ def residual_change_refusal(saved: Mapping[str, Any], ours: ModelConfig, where: 
     return (f"{where}: {whose} residual differs from the checkpoint's ({values}); its weights would load into this "
             "model without a word (the same names and shapes), which computes something else from them. "
             f"{way_out} (e.g. a Block AttnRes run continued as Full AttnRes)")
+
+
+def residual_difference(saved: Mapping[str, Any], ours: ModelConfig) -> str | None:
+    """The residual fields in which ``ours`` differs from ``saved`` (a checkpoint's model
+    config, as stored), as a refusal names them (``model.residual.kind: 'attnres_block' there,
+    'standard' here``), whether or not the weights fit; ``None`` where the residuals agree or
+    ``saved`` cannot be built here. A load whose weights do not fit names the missing and
+    unexpected weights; this says which model they belong to."""
+    compared = _compared(saved, ours)
+    if compared is None or not compared[3]:
+        return None
+    _, old, new, differing = compared
+    return ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)

@@ -30,7 +30,21 @@ from ..nn.transformer import KVStore, TransformerBlock, causal_mask
 from .config import ModelConfig
 
 __all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call", "check_labels_type",
-           "check_label_values"]
+           "check_label_values", "one_prompt_hint"]
+
+
+def one_prompt_hint(input_ids) -> str:
+    """How one prompt's ids become the ``[batch, seq_len]`` that the model and ``generate``
+    take, for ids given as a flat list (``tokenizer.encode``'s) or a 1-D tensor: refused with
+    their type or shape alone, they left the reader to guess the batch dimension. ``""`` for
+    anything else."""
+    if isinstance(input_ids, Tensor) and input_ids.dim() == 1:
+        return ": one prompt's ids are a batch of one, input_ids[None] ([1, seq_len])"
+    if isinstance(input_ids, (list, tuple)) and all(isinstance(i, int) for i in input_ids):
+        return ": one prompt's ids are a batch of one, torch.tensor([ids]) ([1, seq_len])"
+    if isinstance(input_ids, (list, tuple)):
+        return ": torch.tensor(ids), each row the same length (left-pad shorter prompts, with attention_mask)"
+    return ""
 
 
 def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
@@ -39,7 +53,9 @@ def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
     lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        # (the argument named: of generate, the forward and the export's, ids of another tokenizer are the usual cause)
+        raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab_size}) of the model "
+                         "(vocab_size): encode the text with the tokenizer the model was trained with")
 
 
 def _values_readable(tensor: Tensor) -> bool:
@@ -273,12 +289,13 @@ class DecoderTrunk(nn.Module):
         node for the check: no graph break)."""
         config = self.model_config
         if not isinstance(input_ids, Tensor):
-            raise ValueError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
+            raise ValueError(f"input_ids must be a tensor, got {type(input_ids).__name__}{one_prompt_hint(input_ids)}")
         if input_ids.dtype not in (torch.long, torch.int32):  # (the embedding's index types)
             raise ValueError(f"input_ids must be an integer tensor of token ids (torch.long or torch.int32), got dtype "
                              f"{input_ids.dtype}: use input_ids.long()")
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape [batch, seq_len], got {tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids must have shape [batch, seq_len], got {tuple(input_ids.shape)}"
+                             f"{one_prompt_hint(input_ids)}")
         b, t = input_ids.shape
         if b == 0 or t == 0:
             raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
