@@ -372,6 +372,44 @@ def test_mixing_matrix_needs_a_recorded_finished_forward():
         depth_mixing_matrix(torch.nn.Linear(2, 2), ids())
 
 
+class _OwnModel(torch.nn.Module):
+    """The README's "AttnRes in your own PyTorch model", small: no ``layers``, no ``config``."""
+
+    def __init__(self, d: int = 16, n_sublayers: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, d)
+        self.sublayers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, d))
+                                             for _ in range(n_sublayers))
+        self.residual = BlockAttnRes(d, n_sublayers, block_size=2)
+
+    def forward(self, input_ids: Tensor, record_weights: bool = False):
+        state = self.residual.start(self.embed(input_ids), record_weights=record_weights)
+        for l, sublayer in enumerate(self.sublayers):
+            self.residual.add_output(state, l, sublayer(self.residual.sublayer_input(state, l)))
+        return self.residual.finish(state), state
+
+
+def test_the_analysis_of_a_model_of_your_own_says_where_its_depth_weights_are():
+    """``forward_diagnostics`` and ``block_grad_norms`` of the README's own model ended in
+    "'_OwnModel' object has no attribute 'config'" from inside their set-up, and
+    ``depth_mixing_matrix`` named the models it runs only; each names the way that works, which
+    is followed here to the end."""
+    from attnres.analysis import block_grad_norms, depth_entropy, forward_diagnostics
+
+    m = _OwnModel()
+    for analyse in (lambda: forward_diagnostics(m, ids()), lambda: block_grad_norms(m)):
+        with pytest.raises(TypeError, match=r"_OwnModel; for a model of your own .*record_weights=True.*"
+                                            r"forward hook on each of your sublayers"):
+            analyse()
+    with pytest.raises(TypeError, match=r"_OwnModel; for a model of your own .*residual.mixing_matrix\(state\)"):
+        depth_mixing_matrix(m, ids())
+    _, state = m(ids(), record_weights=True)
+    assert [depth_entropy(w) for w in state.weights] == pytest.approx([math.log(n) for n in m.residual.sources_per_mixer()])
+    mm = m.residual.mixing_matrix(state)
+    assert tuple(mm.weights.shape) == (2, 8, 5, 5)
+    assert semiseparable_rank(mm.weights).shape == (2, 8)
+
+
 # -- attnres analyze -------------------------------------------------------------------------
 @pytest.mark.slow  # trains two tiny runs (~25 s); the compare report's section runs in test_experiments
 def test_analyze_cli_writes_the_report_and_compares(tmp_path):

@@ -193,10 +193,21 @@ class MixingForward:
         return list(rows.unbind(-2))
 
 
+#: How a model of the user's own (the README's "AttnRes in your own PyTorch model") gets what the
+#: analysis of an attnres model reads: the functions here run attnres's decoders, whose layout they
+#: know, and refused such a model without saying where its depth weights are.
+OWN_MODEL_WAY = ("for a model of your own that drives a residual module (README 'AttnRes in your own PyTorch model'), "
+                 "start its forward with state = residual.start(x, record_weights=True): after residual.finish(state), "
+                 "state.weights holds each mixer's depth weights [n_sources, ...] (depth_entropy takes each) and "
+                 "residual.mixing_matrix(state) the depth mixing matrix (semiseparable_rank and source_stats take "
+                 "its weights)")
+
+
 def _trunk(model: nn.Module):
     if not all(hasattr(model, a) for a in ("decode", "residual", "embed_tokens")):
         raise TypeError(f"depth mixing analysis runs models with the attnres decoder trunk (AttnResLM, the attnres.hf "
-                        f"models); got {type(model).__name__}")
+                        f"models) and transformers models of attnres.upcycle; got {type(model).__name__}; "
+                        f"{OWN_MODEL_WAY}")
     return model
 
 
