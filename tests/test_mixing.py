@@ -410,6 +410,18 @@ def test_the_analysis_of_a_model_of_your_own_says_where_its_depth_weights_are():
     assert semiseparable_rank(mm.weights).shape == (2, 8)
 
 
+def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
+    """``source_stats`` took ``[N, n, n]`` only: a ``MixingMatrix``'s ``[B, T, n, n]`` (or a
+    parameter-only variant's ``[n, n]``) failed "too many (not enough) values to unpack"."""
+    from attnres.analysis import source_stats
+
+    W = torch.softmax(torch.randn(2, 8, 5, 5, dtype=F64), -1).tril()
+    assert source_stats(W) == source_stats(W.reshape(16, 5, 5))
+    assert source_stats(W[0, 0]) == source_stats(W[0, 0].unsqueeze(0))
+    with pytest.raises(ValueError, match=r"source_stats takes mixing matrices \[\.\.\., n, n\].*got \(5, 4\)"):
+        source_stats(W[0, 0, :, :4])
+
+
 # -- attnres analyze -------------------------------------------------------------------------
 @pytest.mark.slow  # trains two tiny runs (~25 s); the compare report's section runs in test_experiments
 def test_analyze_cli_writes_the_report_and_compares(tmp_path):

@@ -253,7 +253,14 @@ def _recorded_mixing(model: nn.Module, input_ids: Tensor, per_channel: bool = Fa
 
 
 def source_stats(per_token: Tensor) -> list[SourceStats]:
-    """The sink table of per-token matrices ``[N, n, n]`` (``N`` tokens, or 1)."""
+    """The sink table of per-token matrices ``[N, n, n]`` (``N`` tokens, or 1): a
+    :class:`MixingMatrix`'s ``weights`` as they are, ``[B, T, n, n]`` or ``[n, n]`` (one
+    matrix for every token), whose leading dimensions count the tokens."""
+    if not isinstance(per_token, Tensor) or per_token.dim() < 2 or per_token.shape[-1] != per_token.shape[-2]:
+        got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
+        raise ValueError(f"source_stats takes mixing matrices [..., n, n] (a MixingMatrix's weights), got {got}")
+    # (a MixingMatrix's [B, T, n, n] or [n, n] failed unpacking the shape, "too many values to unpack")
+    per_token = per_token.detach().reshape(-1, *per_token.shape[-2:])
     N, n, _ = per_token.shape
     visible = torch.ones(n, n, dtype=torch.bool, device=per_token.device).tril()
     row_avg = (per_token * visible).sum(-1) / visible.sum(-1)  # [N, n]: average weight of a row's sources
