@@ -422,6 +422,22 @@ def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
         source_stats(W[0, 0, :, :4])
 
 
+@pytest.mark.parametrize("kind", ["attnres_full", "attnres_block", "highway", "layerscale", "mhc", "denseformer"])
+def test_the_mixing_matrix_of_a_training_forward_is_a_description_without_its_graph(kind):
+    """Every variant built ``M`` from detached tensors but AttnRes, whose recorded depth weights
+    carry the forward's graph: its ``M`` kept that graph alive and had a ``grad_fn``. The
+    recorded weights themselves stay differentiable."""
+    r = model(kind).residual.float()
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    state = r.start(x, record_weights=True)
+    for l in range(r.n_sublayers):
+        r.add_output(state, l, torch.tanh(r.sublayer_input(state, l)) * 0.5)
+    r.finish(state)
+    mm = r.mixing_matrix(state, per_channel=True)
+    assert not mm.weights.requires_grad and (mm.per_channel is None or not mm.per_channel.requires_grad)
+    assert state.weights is None or all(w.requires_grad for w in state.weights[1:])
+
+
 # -- attnres analyze -------------------------------------------------------------------------
 @pytest.mark.slow  # trains two tiny runs (~25 s); the compare report's section runs in test_experiments
 def test_analyze_cli_writes_the_report_and_compares(tmp_path):
