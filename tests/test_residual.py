@@ -39,7 +39,7 @@ def run(residual, sublayers, emb, record=False):
 def make_pair(kind: str, d: int, L: int, S: int = 2, group: int | None = None, dtype=torch.float64, seed: int = 0):
     """(two-phase module, naive twin with identical parameters, toy sublayers)."""
     if kind == "block":
-        fast = BlockAttnRes(d, L, S)
+        fast = BlockAttnRes(d, L, S, warn_single_block=False)  # (S >= L on purpose too)
     else:
         fast = FullAttnRes(d, L, group_size=group)
     g = torch.Generator().manual_seed(seed + 7)
@@ -648,6 +648,36 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
                     "6 sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed block to attend "
                     "over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it is 1: 6 blocks (about "
                     "8 where the depth allows, as the report recommends, §3.2)"]
+
+
+@pytest.mark.parametrize("n_sublayers, block_size, warns", [(8, 7, False), (8, 8, True), (4, 100, True), (1, 1, False)])
+def test_a_block_attnres_built_as_one_block_in_ones_own_model_warns_once(n_sublayers, block_size, warns):
+    """``BlockAttnRes(d, 8, block_size=8)`` in a model of one's own (8 blocks meant, the report's N)
+    built a single block without a word, where a config's ``block_size`` warns. It warns, once,
+    in words for the module's arguments; a model built from a config says it once, as the config
+    is checked (its residual is built without a second warning)."""
+    import warnings
+
+    from attnres.models import ModelConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        BlockAttnRes(8, n_sublayers, block_size)
+    said = [str(w.message) for w in caught]
+    if not warns:
+        assert said == []
+        return
+    assert said == [f"BlockAttnRes: block_size={block_size} is at least its n_sublayers={n_sublayers}: Block AttnRes has a "
+                    "single block (N = 1), no completed block to attend over; block_size counts sublayers - at most "
+                    f"{n_sublayers - 1} gives 2 or more blocks (a block size, not a number of blocks); 1 gives "
+                    f"{n_sublayers} blocks (about 8 where the depth allows, as the report recommends, §3.2)"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = ModelConfig(d_model=8, n_layers=n_sublayers // 2, n_heads=2,
+                             residual={"kind": "attnres_block", "block_size": block_size})
+        build_residual(ResidualConfig(kind="attnres_block", block_size=block_size), 8, n_sublayers)
+    assert [str(w.message).split(" = ")[0] for w in caught] == ["model.residual.block_size (attnres upcycle's --block-size)"]
+    assert config.residual.block_size == block_size
 
 
 def test_the_single_block_warning_of_a_one_layer_model_gives_its_own_default():
