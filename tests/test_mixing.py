@@ -198,7 +198,7 @@ def test_forward_equals_the_mixing_of_its_recorded_sources(kind):
 def test_results_show_in_a_notebook_as_one_line():
     """A notebook shows a cell's result by its repr: a DepthMixing printed both matrices and
     the sink table (125 lines for 12 transformer blocks), a MixingForward every source and
-    input tensor (thousands)."""
+    input tensor (thousands), a MixingMatrix every token's matrix."""
     m = model("attnres_block", n_layers=12, block_size=4)
     mixing = depth_mixing_matrix(m, ids(), per_token=True)
     assert repr(mixing) == ("DepthMixing('attnres_block', 24 sublayers, matrix [25, 25] over 16 tokens, rank "
@@ -206,6 +206,13 @@ def test_results_show_in_a_notebook_as_one_line():
                             "input-dependent, sinks [], per_token [2, 8, 25, 25])")
     assert repr(mixing_forward(m, ids())) == ("MixingForward(mixing [2, 8, 25, 25], 25 sources and 24 inputs "
                                               "[2, 8, 16], output [2, 8, 16])")
+    # (and residual.mixing_matrix(state)'s, a model of one's own: every token's matrix, thousands of lines)
+    groups = "v0, v1..v4, v5..v8, v9..v12, v13..v16, v17..v20, v21..v24"
+    assert repr(mixing_forward(m, ids()).mixing) == (f"MixingMatrix(weights [2, 8, 25, 25], input-dependent, "
+                                                     f"source_groups {groups})")
+    assert repr(mixing_forward(model("highway"), ids(), per_channel=True).mixing) == (
+        "MixingMatrix(weights [2, 8, 7, 7], input-dependent, per_channel [2, 8, 7, 7, 16], reduction \"mean over the d "
+        "channels of the element-wise gates' carry products\")")
 
 
 @pytest.mark.parametrize("kind,ablation", [
