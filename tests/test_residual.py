@@ -650,6 +650,26 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
                     "8 where the depth allows, as the report recommends, §3.2)"]
 
 
+def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_does():
+    """``build_residual("highway", d, L)`` - any registered variant in a model of one's own -
+    ended in "'str' object has no attribute 'kind'" (a mapping likewise): it takes what
+    ``ModelConfig.residual`` takes, checked as a model's config is."""
+    import warnings
+
+    assert type(build_residual("highway", 8, 4)).__name__ == "Highway"
+    block = build_residual({"kind": "attnres_block", "block_size": 2}, 8, 4)
+    assert (block.name, block.block_size, block.n_sublayers) == ("attnres_block", 2, 4)
+    with pytest.raises(ValueError, match=r"unknown ModelConfig.residual key\(s\) \['blok_size'\] \(did you mean "
+                                         "'block_size'"):
+        build_residual({"kind": "attnres_block", "blok_size": 2}, 8, 4)
+    with pytest.raises(ValueError, match="ModelConfig.residual.kind must be one of .*got 'attnres_blok'"):
+        build_residual("attnres_blok", 8, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_residual({"kind": "attnres_block", "block_size": 8}, 8, 4)
+    assert [str(w.message).split(" = ")[0] for w in caught] == ["model.residual.block_size (attnres upcycle's --block-size)"]
+
+
 def test_a_state_dict_of_another_residual_with_the_same_names_is_refused_by_load_state_dict(tmp_path):
     """Full and Block AttnRes, and Block AttnRes at two block sizes, hold weights of the same names
     and shapes: a model of one's own that saved one with ``torch.save(model.state_dict())`` loaded
