@@ -650,12 +650,20 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
                     "8 where the depth allows, as the report recommends, §3.2)"]
 
 
+def _warnings_of(call) -> list[str]:
+    """The messages of the warnings ``call()`` gives, every one."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught]
+
+
 def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_does():
     """``build_residual("highway", d, L)`` - any registered variant in a model of one's own -
     ended in "'str' object has no attribute 'kind'" (a mapping likewise): it takes what
     ``ModelConfig.residual`` takes, checked as a model's config is."""
-    import warnings
-
     assert type(build_residual("highway", 8, 4)).__name__ == "Highway"
     block = build_residual({"kind": "attnres_block", "block_size": 2}, 8, 4)
     assert (block.name, block.block_size, block.n_sublayers) == ("attnres_block", 2, 4)
@@ -664,10 +672,8 @@ def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_doe
         build_residual({"kind": "attnres_block", "blok_size": 2}, 8, 4)
     with pytest.raises(ValueError, match="ModelConfig.residual.kind must be one of .*got 'attnres_blok'"):
         build_residual("attnres_blok", 8, 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        build_residual({"kind": "attnres_block", "block_size": 8}, 8, 4)
-    assert [str(w.message).split(" = ")[0] for w in caught] == ["model.residual.block_size (attnres upcycle's --block-size)"]
+    said = _warnings_of(lambda: build_residual({"kind": "attnres_block", "block_size": 8}, 8, 4))
+    assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
 
 
 def test_a_state_dict_of_another_residual_with_the_same_names_is_refused_by_load_state_dict(tmp_path):
@@ -720,14 +726,9 @@ def test_a_block_attnres_built_as_one_block_in_ones_own_model_warns_once(n_subla
     built a single block without a word, where a config's ``block_size`` warns. It warns, once,
     in words for the module's arguments; a model built from a config says it once, as the config
     is checked (its residual is built without a second warning)."""
-    import warnings
-
     from attnres.models import ModelConfig
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        BlockAttnRes(8, n_sublayers, block_size)
-    said = [str(w.message) for w in caught]
+    said = _warnings_of(lambda: BlockAttnRes(8, n_sublayers, block_size))
     if not warns:
         assert said == []
         return
@@ -735,13 +736,10 @@ def test_a_block_attnres_built_as_one_block_in_ones_own_model_warns_once(n_subla
                     "single block (N = 1), no completed block to attend over; block_size counts sublayers - at most "
                     f"{n_sublayers - 1} gives 2 or more blocks (a block size, not a number of blocks); 1 gives "
                     f"{n_sublayers} blocks (about 8 where the depth allows, as the report recommends, §3.2)"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        config = ModelConfig(d_model=8, n_layers=n_sublayers // 2, n_heads=2,
-                             residual={"kind": "attnres_block", "block_size": block_size})
-        build_residual(ResidualConfig(kind="attnres_block", block_size=block_size), 8, n_sublayers)
-    assert [str(w.message).split(" = ")[0] for w in caught] == ["model.residual.block_size (attnres upcycle's --block-size)"]
-    assert config.residual.block_size == block_size
+    said = _warnings_of(lambda: (
+        ModelConfig(d_model=8, n_layers=n_sublayers // 2, n_heads=2, residual={"kind": "attnres_block", "block_size": block_size}),
+        build_residual(ResidualConfig(kind="attnres_block", block_size=block_size), 8, n_sublayers)))
+    assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
 
 
 def test_the_single_block_warning_of_a_one_layer_model_gives_its_own_default():
