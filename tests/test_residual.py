@@ -650,6 +650,29 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
                     "8 where the depth allows, as the report recommends, §3.2)"]
 
 
+@pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4), lambda: StandardResidual(8, 4)])
+def test_a_state_serves_the_module_that_began_it_and_a_tensor_is_no_state(make):
+    """``residual.sublayer_input(h, l)`` - the hidden state given for the state - failed in
+    "'Tensor' object has no attribute 'next_sublayer'"; in a model with two residual modules, the
+    state of one given to the other failed in an AttributeError from inside the schedule, or,
+    between two of one class, ran on with the first one's sources and queries without a word."""
+    residual, x = make(), torch.randn(2, 3, 8)
+    for call in (lambda: residual.sublayer_input(x, 0), lambda: residual.add_output(x, 0, x),
+                 lambda: residual.finish(x), lambda: residual.history(x), lambda: residual.mixing_matrix(x)):
+        with pytest.raises(TypeError, match=r"\.(sublayer_input|add_output|finish|history|mixing_matrix)\(state.*: state "
+                                            r"must be what residual.start\(x\) returned \(a ResidualState\), got Tensor"):
+            call()
+    for other in (make(), BlockAttnRes(8, 4, 2), StandardResidual(8, 4)):
+        state = other.start(x)
+        with pytest.raises(ValueError, match=r"sublayer_input\(state, l\): this state was begun by another residual "
+                                             "module"):
+            residual.sublayer_input(state, 0)
+    state = residual.resume(residual.history(residual.start(x)), 0)  # (resumed: its own too)
+    for l in range(4):
+        residual.add_output(state, l, residual.sublayer_input(state, l))
+    assert residual.finish(state).shape == x.shape
+
+
 def _warnings_of(call) -> list[str]:
     """The messages of the warnings ``call()`` gives, every one."""
     import warnings

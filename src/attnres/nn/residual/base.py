@@ -66,6 +66,8 @@ class ResidualState:
         (Highway its gates, the multi-stream variants their maps); nothing is kept otherwise.
     mixing_log: what a variant kept for its mixing matrix, one entry per sublayer.
     finished: ``finish`` has run.
+    owner: ``id`` of the residual module whose ``start`` or ``resume`` began it: a state serves
+        that module's calls only.
     """
 
     dtype: Any
@@ -79,6 +81,7 @@ class ResidualState:
     record_mixing: bool = False
     mixing_log: list[Any] = field(default_factory=list)
     finished: bool = False
+    owner: int | None = None
 
     def record(self, weights: Tensor, sources_last: bool = True) -> None:
         """Store one mixer's weights as ``[n_sources, ...]`` (given ``[..., n]``, or
@@ -291,12 +294,28 @@ class ResidualStream(DrivenModule, ABC):
 
     def _common(self, ref: Tensor, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
         record = record_weights and self.has_depth_attention
-        return {"dtype": ref.dtype, "device": ref.device, "weights": [] if record else None, "defer_norm": defer_norm}
+        return {"dtype": ref.dtype, "device": ref.device, "weights": [] if record else None, "defer_norm": defer_norm,
+                "owner": id(self)}
+
+    def _check_state(self, state: Any, call: str) -> None:
+        """``state`` as this module's :meth:`start` or :meth:`resume` returned it. The hidden
+        state given for it (``sublayer_input(h, l)``) failed in "'Tensor' object has no attribute
+        'next_sublayer'"; another residual module's state (a model with two) ran on with that
+        module's sources and queries, silently where both are of one class."""
+        if not isinstance(state, ResidualState):
+            raise TypeError(f"{type(self).__name__}.{call}: state must be what residual.start(x) returned (a "
+                            f"ResidualState), got {type(state).__name__}: state = residual.start(x) begins a forward, "
+                            "then h = residual.sublayer_input(state, l) and residual.add_output(state, l, sublayer(h))")
+        if state.owner is not None and state.owner != id(self):
+            raise ValueError(f"{type(self).__name__}.{call}: this state was begun by another residual module "
+                             f"({type(state).__name__}); each residual module drives the states its own start(x) "
+                             "begins (a model with two residuals keeps one state for each)")
 
     def sublayer_input(self, state: ResidualState, l: int):
         """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``: a tensor, or with
         ``state.defer_norm`` possibly a :class:`~attnres.nn.norm.FusableNormInput` that the
         sublayer's RMSNorm turns into ``norm(h_l)`` in one fused kernel."""
+        self._check_state(state, "sublayer_input(state, l)")
         if l != state.next_sublayer or state.expecting_output or l >= self.n_sublayers:
             self._refuse_finished(state, f"sublayer_input({l})")
             if l == state.next_sublayer and not state.expecting_output:  # (one past the last: it read the output
@@ -324,6 +343,7 @@ class ResidualStream(DrivenModule, ABC):
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
         embedding's shape (``[..., d]`` after ``resume``) on its device; cast to the stream's
         dtype."""
+        self._check_state(state, "add_output(state, l, output)")
         if l != state.next_sublayer or not state.expecting_output:
             self._refuse_finished(state, f"add_output({l})")
             if l == state.next_sublayer:  # ("called out of order: expected sublayer l" named the l it was given)
@@ -349,6 +369,7 @@ class ResidualStream(DrivenModule, ABC):
 
     def finish(self, state: ResidualState) -> Tensor:
         """The final hidden state (before the final norm), ``[..., d]``."""
+        self._check_state(state, "finish(state)")
         if state.finished:
             raise RuntimeError("finish() called twice: start a new forward with start()")
         if state.next_sublayer != self.n_sublayers or state.expecting_output:
@@ -365,6 +386,7 @@ class ResidualStream(DrivenModule, ABC):
     def history(self, state: ResidualState) -> DepthHistory:
         """The stream in front of sublayer ``state.next_sublayer`` as tensors, in the layout
         of :meth:`history_layout` (after ``finish``: every source as completed)."""
+        self._check_state(state, "history(state)")
         if state.expecting_output:
             raise RuntimeError(f"history() called between sublayer_input({state.next_sublayer}) and its add_output")
         return self._history(state)
@@ -475,6 +497,7 @@ class ResidualStream(DrivenModule, ABC):
         and have run every sublayer and ``finish``. ``per_channel``: variants that weight
         channel by channel (Highway, LayerScale) also fill ``MixingMatrix.per_channel``.
         Variants registered without ``_mixing_matrix`` raise ``NotImplementedError``."""
+        self._check_state(state, "mixing_matrix(state)")
         if type(self)._mixing_matrix is ResidualStream._mixing_matrix:
             ResidualStream._mixing_matrix(self, state)  # raises, naming the variant and the missing method
         if not state.record_mixing or not state.finished:
