@@ -417,6 +417,18 @@ def test_the_analysis_of_a_model_of_your_own_says_where_its_depth_weights_are():
     assert semiseparable_rank(mm.weights).shape == (2, 8)
 
 
+def test_the_rank_takes_lower_triangular_square_matrices_only():
+    """``semiseparable_rank`` gave a rank of a non-square matrix and of ``M`` transposed (sources
+    as rows): the ranks of other blocks than the report's, without a word; a vector failed inside
+    ``linalg.matrix_norm``."""
+    M = _block_matrix(6, 2)[0]  # (one token's)
+    assert int(semiseparable_rank(M)) == int(semiseparable_rank(M.unsqueeze(0))[0]) == 3  # (N = 3 blocks)
+    for bad, got in ((M.mT, "entries above the diagonal"), (M[:, :5], r"\(7, 5\)"), (M[0], r"\(7,\)")):
+        with pytest.raises(ValueError, match=r"semiseparable_rank takes lower-triangular mixing matrices \[\.\.\., n, "
+                                             f"n\\].*got {got}"):
+            semiseparable_rank(bad)
+
+
 def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
     """``source_stats`` took ``[N, n, n]`` only: a ``MixingMatrix``'s ``[B, T, n, n]`` (or a
     parameter-only variant's ``[n, n]``) failed "too many (not enough) values to unpack"."""

@@ -59,7 +59,15 @@ def semiseparable_rank(M: Tensor, rtol: float = RANK_RTOL) -> Tensor:
     rank over ``k`` of ``M[..., k:, :k + 1]`` (rows ``k ..``, columns ``.. k``: every block on
     and below the diagonal lies in one of these). Singular values count above ``rtol`` times
     ``M``'s largest. Returns an integer tensor ``[...]``."""
-    M = M.to(MIXING_DTYPE)
+    # (a non-square or upper-triangular M - sources as rows, M transposed - had a rank all the same, of
+    # other blocks than the report's; a vector failed inside linalg.matrix_norm)
+    square = isinstance(M, Tensor) and M.dim() >= 2 and M.shape[-1] == M.shape[-2]
+    if not square or bool(M.detach().triu(1).ne(0).any()):
+        got = (tuple(M.shape) if not square else "entries above the diagonal (sources as rows? M.mT is the "
+               "report's)") if isinstance(M, Tensor) else type(M).__name__
+        raise ValueError(f"semiseparable_rank takes lower-triangular mixing matrices [..., n, n] (rows: the sublayers "
+                         f"and the output, columns: the sources; a MixingMatrix's weights), got {got}")
+    M = M.detach().to(MIXING_DTYPE)
     n = M.shape[-1]
     scale = torch.linalg.matrix_norm(M, ord=2).unsqueeze(-1)  # [..., 1]
     ranks = [(torch.linalg.svdvals(M[..., k:, : k + 1]) > rtol * scale).sum(-1) for k in range(n)]
