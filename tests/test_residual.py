@@ -673,6 +673,18 @@ def test_a_state_serves_the_module_that_began_it_and_a_tensor_is_no_state(make):
     assert residual.finish(state).shape == x.shape
 
 
+def test_a_depth_query_of_ones_own_is_called_like_a_layer():
+    """``DepthQuery(d)(sources)`` - one mixer in a model of one's own - ended in nn.Module's
+    "missing the required forward function": it runs :meth:`attend`."""
+    from attnres.nn import DepthQuery
+
+    query, sources = DepthQuery(8), [torch.randn(2, 3, 8) for _ in range(3)]
+    with torch.no_grad():
+        query.query.normal_()
+    h, w = query(sources, return_weights=True)
+    assert torch.equal(h, query.attend(sources)) and w.shape == (3, 2, 3)
+
+
 def _warnings_of(call) -> list[str]:
     """The messages of the warnings ``call()`` gives, every one."""
     import warnings
