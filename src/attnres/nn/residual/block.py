@@ -192,7 +192,8 @@ class BlockAttnRes(AttnResBase):
 
     ``block_size``: ``S``; the other arguments are :class:`AttnResBase`'s. E.g. 16
     sublayers in 8 blocks: ``BlockAttnRes(dim=512, n_sublayers=16, block_size=2)``. A
-    ``block_size`` of ``n_sublayers`` or more (a single block) is warned of, as in a config.
+    ``block_size`` of ``n_sublayers`` or more (a single block) is warned of, as in a config
+    (``warn_single_block=False``: meant so, or said already, as ``from_config`` builds it).
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
