@@ -49,7 +49,7 @@ def triton_or_skip(backend: str) -> None:
 def kernel():
     """The CPU kernel, built: a machine with a C compiler must build it (a failed build
     would otherwise pass silently on the PyTorch implementation)."""
-    if os.environ.get("ATTNRES_CPU_KERNEL") == "0":
+    if cpu_kernel.switched_off():
         pytest.skip("CPU kernel switched off")
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler on this machine (the PyTorch implementation runs instead)")
@@ -1447,6 +1447,32 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, fresh_build):
     monkeypatch.delenv("CC")
     cpu_kernel.cpu_kernel.cache_clear()
     assert cpu_kernel.cpu_kernel() is None
+    assert not list(fresh_build.rglob("*.so"))
+
+
+def test_the_kernel_is_switched_off_as_the_variable_is_spelt(monkeypatch, fresh_build):
+    """Only ``ATTNRES_CPU_KERNEL=0`` switched the kernel off: ``false`` (or ``off``) built it and
+    ran it without a word. The usual spellings of off and on are read; another value is warned of,
+    naming both, and leaves the kernel on."""
+    import warnings
+
+    monkeypatch.setenv("CC", "/bin/false")  # (a build would warn: none may run here)
+    for off in ("0", "false", "Off", "no"):
+        monkeypatch.setenv("ATTNRES_CPU_KERNEL", off)
+        cpu_kernel.cpu_kernel.cache_clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_kernel.cpu_kernel() is None
+    for on in ("1", "true", ""):
+        monkeypatch.setenv("ATTNRES_CPU_KERNEL", on)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not cpu_kernel.switched_off()
+    monkeypatch.setenv("ATTNRES_CPU_KERNEL", "flase")
+    with pytest.warns(UserWarning, match=r"^ATTNRES_CPU_KERNEL='flase' is neither 0 \(the PyTorch implementation; also "
+                                         r"false, off, no\) nor 1 \(the C kernel, as unset; also true, on, yes\): the C "
+                                         r"kernel runs$"):
+        assert not cpu_kernel.switched_off()
     assert not list(fresh_build.rglob("*.so"))
 
 

@@ -199,7 +199,7 @@ def test_forward_equals_the_mixing_of_its_recorded_sources(kind):
 def test_results_show_in_a_notebook_as_one_line():
     """A notebook shows a cell's result by its repr: a DepthMixing printed both matrices and
     the sink table (125 lines for 12 transformer blocks), a MixingForward every source and
-    input tensor (thousands)."""
+    input tensor (thousands), a MixingMatrix every token's matrix."""
     m = model("attnres_block", n_layers=12, block_size=4)
     mixing = depth_mixing_matrix(m, ids(), per_token=True)
     assert repr(mixing) == ("DepthMixing('attnres_block', 24 sublayers, matrix [25, 25] over 16 tokens, rank "
@@ -207,6 +207,13 @@ def test_results_show_in_a_notebook_as_one_line():
                             "input-dependent, sinks [], per_token [2, 8, 25, 25])")
     assert repr(mixing_forward(m, ids())) == ("MixingForward(mixing [2, 8, 25, 25], 25 sources and 24 inputs "
                                               "[2, 8, 16], output [2, 8, 16])")
+    # (and residual.mixing_matrix(state)'s, a model of one's own: every token's matrix, thousands of lines)
+    groups = "v0, v1..v4, v5..v8, v9..v12, v13..v16, v17..v20, v21..v24"
+    assert repr(mixing_forward(m, ids()).mixing) == (f"MixingMatrix(weights [2, 8, 25, 25], input-dependent, "
+                                                     f"source_groups {groups})")
+    assert repr(mixing_forward(model("highway"), ids(), per_channel=True).mixing) == (
+        "MixingMatrix(weights [2, 8, 7, 7], input-dependent, per_channel [2, 8, 7, 7, 16], reduction \"mean over the d "
+        "channels of the element-wise gates' carry products\")")
 
 
 @pytest.mark.parametrize("kind,ablation", [
@@ -371,6 +378,84 @@ def test_mixing_matrix_needs_a_recorded_finished_forward():
         r.mixing_matrix(st)
     with pytest.raises(TypeError, match="decoder trunk"):
         depth_mixing_matrix(torch.nn.Linear(2, 2), ids())
+
+
+class _OwnModel(torch.nn.Module):
+    """The README's "AttnRes in your own PyTorch model", small: no ``layers``, no ``config``."""
+
+    def __init__(self, d: int = 16, n_sublayers: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, d)
+        self.sublayers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, d))
+                                             for _ in range(n_sublayers))
+        self.residual = BlockAttnRes(d, n_sublayers, block_size=2)
+
+    def forward(self, input_ids: Tensor, record_weights: bool = False):
+        state = self.residual.start(self.embed(input_ids), record_weights=record_weights)
+        for l, sublayer in enumerate(self.sublayers):
+            self.residual.add_output(state, l, sublayer(self.residual.sublayer_input(state, l)))
+        return self.residual.finish(state), state
+
+
+def test_the_analysis_of_a_model_of_your_own_says_where_its_depth_weights_are():
+    """``forward_diagnostics`` and ``block_grad_norms`` of the README's own model ended in
+    "'_OwnModel' object has no attribute 'config'" from inside their set-up, and
+    ``depth_mixing_matrix`` named the models it runs only; each names the way that works, which
+    is followed here to the end."""
+    from attnres.analysis import block_grad_norms, depth_entropy, forward_diagnostics
+
+    m = _OwnModel()
+    for analyse in (lambda: forward_diagnostics(m, ids()), lambda: block_grad_norms(m)):
+        with pytest.raises(TypeError, match=r"_OwnModel; for a model of your own .*record_weights=True.*"
+                                            r"forward hook on each of your sublayers"):
+            analyse()
+    with pytest.raises(TypeError, match=r"_OwnModel; for a model of your own .*residual.mixing_matrix\(state\)"):
+        depth_mixing_matrix(m, ids())
+    _, state = m(ids(), record_weights=True)
+    assert [depth_entropy(w) for w in state.weights] == pytest.approx([math.log(n) for n in m.residual.sources_per_mixer()])
+    mm = m.residual.mixing_matrix(state)
+    assert tuple(mm.weights.shape) == (2, 8, 5, 5)
+    assert semiseparable_rank(mm.weights).shape == (2, 8)
+
+
+def test_the_rank_takes_lower_triangular_square_matrices_only():
+    """``semiseparable_rank`` gave a rank of a non-square matrix and of ``M`` transposed (sources
+    as rows): the ranks of other blocks than the report's, without a word; a vector failed inside
+    ``linalg.matrix_norm``."""
+    M = _block_matrix(6, 2)[0]  # (one token's)
+    assert int(semiseparable_rank(M)) == int(semiseparable_rank(M.unsqueeze(0))[0]) == 3  # (N = 3 blocks)
+    for bad, got in ((M.mT, "entries above the diagonal"), (M[:, :5], r"\(7, 5\)"), (M[0], r"\(7,\)")):
+        with pytest.raises(ValueError, match=r"semiseparable_rank takes lower-triangular mixing matrices \[\.\.\., n, "
+                                             f"n\\].*got {got}"):
+            semiseparable_rank(bad)
+
+
+def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
+    """``source_stats`` took ``[N, n, n]`` only: a ``MixingMatrix``'s ``[B, T, n, n]`` (or a
+    parameter-only variant's ``[n, n]``) failed "too many (not enough) values to unpack"."""
+    from attnres.analysis import source_stats
+
+    W = torch.softmax(torch.randn(2, 8, 5, 5, dtype=F64), -1).tril()
+    assert source_stats(W) == source_stats(W.reshape(16, 5, 5))
+    assert source_stats(W[0, 0]) == source_stats(W[0, 0].unsqueeze(0))
+    with pytest.raises(ValueError, match=r"source_stats takes mixing matrices \[\.\.\., n, n\].*got \(5, 4\)"):
+        source_stats(W[0, 0, :, :4])
+
+
+@pytest.mark.parametrize("kind", ["attnres_full", "attnres_block", "highway", "layerscale", "mhc", "denseformer"])
+def test_the_mixing_matrix_of_a_training_forward_is_a_description_without_its_graph(kind):
+    """Every variant built ``M`` from detached tensors but AttnRes, whose recorded depth weights
+    carry the forward's graph: its ``M`` kept that graph alive and had a ``grad_fn``. The
+    recorded weights themselves stay differentiable."""
+    r = model(kind).residual.float()
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    state = r.start(x, record_weights=True)
+    for l in range(r.n_sublayers):
+        r.add_output(state, l, torch.tanh(r.sublayer_input(state, l)) * 0.5)
+    r.finish(state)
+    mm = r.mixing_matrix(state, per_channel=True)
+    assert not mm.weights.requires_grad and (mm.per_channel is None or not mm.per_channel.requires_grad)
+    assert state.weights is None or all(w.requires_grad for w in state.weights[1:])
 
 
 # -- attnres analyze -------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def run(residual, sublayers, emb, record=False):
 def make_pair(kind: str, d: int, L: int, S: int = 2, group: int | None = None, dtype=torch.float64, seed: int = 0):
     """(two-phase module, naive twin with identical parameters, toy sublayers)."""
     if kind == "block":
-        fast = BlockAttnRes(d, L, S)
+        fast = BlockAttnRes(d, L, S, warn_single_block=False)  # (S >= L on purpose too)
     else:
         fast = FullAttnRes(d, L, group_size=group)
     g = torch.Generator().manual_seed(seed + 7)
@@ -648,6 +648,133 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
                     "6 sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed block to attend "
                     "over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it is 1: 6 blocks (about "
                     "8 where the depth allows, as the report recommends, §3.2)"]
+
+
+@pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4), lambda: StandardResidual(8, 4)])
+def test_a_state_serves_the_module_that_began_it_and_a_tensor_is_no_state(make):
+    """``residual.sublayer_input(h, l)`` - the hidden state given for the state - failed in
+    "'Tensor' object has no attribute 'next_sublayer'"; in a model with two residual modules, the
+    state of one given to the other failed in an AttributeError from inside the schedule, or,
+    between two of one class, ran on with the first one's sources and queries without a word."""
+    residual, x = make(), torch.randn(2, 3, 8)
+    for call in (lambda: residual.sublayer_input(x, 0), lambda: residual.add_output(x, 0, x),
+                 lambda: residual.finish(x), lambda: residual.history(x), lambda: residual.mixing_matrix(x)):
+        with pytest.raises(TypeError, match=r"\.(sublayer_input|add_output|finish|history|mixing_matrix)\(state.*: state "
+                                            r"must be what residual.start\(x\) returned \(a ResidualState\), got Tensor"):
+            call()
+    for other in (make(), BlockAttnRes(8, 4, 2), StandardResidual(8, 4)):
+        state = other.start(x)
+        with pytest.raises(ValueError, match=r"sublayer_input\(state, l\): this state was begun by another residual "
+                                             "module"):
+            residual.sublayer_input(state, 0)
+    state = residual.resume(residual.history(residual.start(x)), 0)  # (resumed: its own too)
+    for l in range(4):
+        residual.add_output(state, l, residual.sublayer_input(state, l))
+    assert residual.finish(state).shape == x.shape
+
+
+def test_a_depth_query_of_ones_own_is_called_like_a_layer():
+    """``DepthQuery(d)(sources)`` - one mixer in a model of one's own - ended in nn.Module's
+    "missing the required forward function": it runs :meth:`attend`."""
+    from attnres.nn import DepthQuery
+
+    query, sources = DepthQuery(8), [torch.randn(2, 3, 8) for _ in range(3)]
+    with torch.no_grad():
+        query.query.normal_()
+    h, w = query(sources, return_weights=True)
+    assert torch.equal(h, query.attend(sources)) and w.shape == (3, 2, 3)
+
+
+def _warnings_of(call) -> list[str]:
+    """The messages of the warnings ``call()`` gives, every one."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught]
+
+
+def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_does():
+    """``build_residual("highway", d, L)`` - any registered variant in a model of one's own -
+    ended in "'str' object has no attribute 'kind'" (a mapping likewise): it takes what
+    ``ModelConfig.residual`` takes, checked as a model's config is."""
+    assert type(build_residual("highway", 8, 4)).__name__ == "Highway"
+    block = build_residual({"kind": "attnres_block", "block_size": 2}, 8, 4)
+    assert (block.name, block.block_size, block.n_sublayers) == ("attnres_block", 2, 4)
+    with pytest.raises(ValueError, match=r"unknown ModelConfig.residual key\(s\) \['blok_size'\] \(did you mean "
+                                         "'block_size'"):
+        build_residual({"kind": "attnres_block", "blok_size": 2}, 8, 4)
+    with pytest.raises(ValueError, match="ModelConfig.residual.kind must be one of .*got 'attnres_blok'"):
+        build_residual("attnres_blok", 8, 4)
+    said = _warnings_of(lambda: build_residual({"kind": "attnres_block", "block_size": 8}, 8, 4))
+    assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
+
+
+def test_a_state_dict_of_another_residual_with_the_same_names_is_refused_by_load_state_dict(tmp_path):
+    """Full and Block AttnRes, and Block AttnRes at two block sizes, hold weights of the same names
+    and shapes: a model of one's own that saved one with ``torch.save(model.state_dict())`` loaded
+    it into the other without a word, another function from the same weights. The state dict's
+    metadata names the variant (and ``block_size``), and ``load_state_dict`` refuses the other,
+    naming both; a state dict without it (a safetensors file) loads as before, and
+    ``dict(state_dict)`` loads across on purpose."""
+    from safetensors.torch import load_file, save_file
+
+    from attnres.nn.residual import AttnResAblation
+
+    class Own(torch.nn.Module):
+        def __init__(self, residual):
+            super().__init__()
+            self.proj, self.residual = torch.nn.Linear(8, 8), residual
+
+    saved = Own(BlockAttnRes(8, 4, 2))
+    with torch.no_grad():
+        for p in saved.residual.parameters():
+            p.normal_()
+    torch.save(saved.state_dict(), tmp_path / "own.pt")
+    state = torch.load(tmp_path / "own.pt")
+    for other, said in ((FullAttnRes(8, 4), "'attnres_full'"), (BlockAttnRes(8, 4, 1), "'attnres_block' \\(block_size=1\\)")):
+        model = Own(other)
+        with pytest.raises(RuntimeError, match=f"module 'residual' is residual {said} but the state dict holds residual "
+                                               r"'attnres_block' \(block_size=2\): .*load_state_dict\(dict\(state_dict\)\)"):
+            model.load_state_dict(state)
+        model.load_state_dict(dict(state))  # (on purpose)
+        assert torch.equal(model.residual.mixers[3].query, saved.residual.mixers[3].query)
+    same = Own(BlockAttnRes(8, 4, 2, schedule="naive"))  # (the schedule computes the same function)
+    same.load_state_dict(state)
+    save_file(saved.state_dict(), str(tmp_path / "own.safetensors"))
+    Own(FullAttnRes(8, 4)).load_state_dict(load_file(str(tmp_path / "own.safetensors")))  # (no metadata: as before)
+    with pytest.raises(RuntimeError, match="this module is residual 'attnres_block' \\(block_size=2\\) but the state "
+                                           "dict holds residual 'attnres_full'"):
+        BlockAttnRes(8, 4, 2).load_state_dict(FullAttnRes(8, 4).state_dict())
+    # S = 1 is Full AttnRes, both ways; a Table-4 ablation (raw keys: the same weights) is another function
+    BlockAttnRes(8, 4, 1).load_state_dict(FullAttnRes(8, 4).state_dict())
+    FullAttnRes(8, 4).load_state_dict(BlockAttnRes(8, 4, 1).state_dict())
+    raw_keys = AttnResAblation(key_norm=False)
+    with pytest.raises(RuntimeError, match=r"holds residual 'attnres_full' \(ablation=\{'key_norm': False\}\)"):
+        FullAttnRes(8, 4).load_state_dict(FullAttnRes(8, 4, schedule="naive", ablation=raw_keys).state_dict())
+
+
+@pytest.mark.parametrize("n_sublayers, block_size, warns", [(8, 7, False), (8, 8, True), (4, 100, True), (1, 1, False)])
+def test_a_block_attnres_built_as_one_block_in_ones_own_model_warns_once(n_sublayers, block_size, warns):
+    """``BlockAttnRes(d, 8, block_size=8)`` in a model of one's own (8 blocks meant, the report's N)
+    built a single block without a word, where a config's ``block_size`` warns. It warns, once,
+    in words for the module's arguments; a model built from a config says it once, as the config
+    is checked (its residual is built without a second warning)."""
+    from attnres.models import ModelConfig
+
+    said = _warnings_of(lambda: BlockAttnRes(8, n_sublayers, block_size))
+    if not warns:
+        assert said == []
+        return
+    assert said == [f"BlockAttnRes: block_size={block_size} is at least its n_sublayers={n_sublayers}: Block AttnRes has a "
+                    "single block (N = 1), no completed block to attend over; block_size counts sublayers - at most "
+                    f"{n_sublayers - 1} gives 2 or more blocks (a block size, not a number of blocks); 1 gives "
+                    f"{n_sublayers} blocks (about 8 where the depth allows, as the report recommends, §3.2)"]
+    said = _warnings_of(lambda: (
+        ModelConfig(d_model=8, n_layers=n_sublayers // 2, n_heads=2, residual={"kind": "attnres_block", "block_size": block_size}),
+        build_residual(ResidualConfig(kind="attnres_block", block_size=block_size), 8, n_sublayers)))
+    assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
 
 
 def test_the_single_block_warning_of_a_one_layer_model_gives_its_own_default():

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..models.hf_registry import hf_hook
 from ..nn.compiled import uncompiled
 from ..nn.norm import norm_input_value
+from .mixing import OWN_MODEL_WAY
 
 
 def _rms(x: Tensor) -> float:
@@ -38,8 +39,13 @@ def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.
     """Per transformer block ``(block, attention, mlp, attention pre-norm)``: the native
     decoder's names, or a ``transformers`` family's (``attnres.upcycle``: ``model.layers``
     and the names of the family's layout)."""
-    if hasattr(model, "layers"):
+    if hasattr(model, "layers") and all(hasattr(layer, a) for layer in model.layers for a in ("attn", "mlp", "attn_norm")):
         return [(layer, layer.attn, layer.mlp, layer.attn_norm) for layer in model.layers]
+    if not hasattr(getattr(model, "config", None), "model_type"):  # (a model of the user's own: an AttributeError
+        # on 'config', or on a layer's 'attn', from inside the hooks' set-up)
+        raise TypeError(f"the block diagnostics run AttnResLM, the attnres.hf models and transformers models of "
+                        f"attnres.upcycle, whose blocks' attn, mlp and attn_norm they hook; got {type(model).__name__}; "
+                        f"{OWN_MODEL_WAY}, and a forward hook on each of your sublayers gives its output")
     x = hf_hook("layout_of")(hf_hook("family_of")(model.config.model_type))
     return [(layer, getattr(layer, x.attn), getattr(layer, x.mlp), getattr(layer, x.attn_norm)) for layer in model.model.layers]
 

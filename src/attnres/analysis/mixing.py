@@ -76,9 +76,17 @@ def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
     ``M``'s largest (default: :func:`rank_rtol` of ``M``'s dtype - a float32 ``M``'s rounding
     counts for nothing; a float64 ``M`` of float32 weights needs ``rank_rtol(n,
     torch.float32)``, as :func:`depth_mixing_matrix` gives it). Returns an integer tensor ``[...]``."""
+    # (a non-square or upper-triangular M - sources as rows, M transposed - had a rank all the same, of
+    # other blocks than the report's; a vector failed inside linalg.matrix_norm)
+    square = isinstance(M, Tensor) and M.dim() >= 2 and M.shape[-1] == M.shape[-2]
+    if not square or bool(M.detach().triu(1).ne(0).any()):
+        got = (tuple(M.shape) if not square else "entries above the diagonal (sources as rows? M.mT is the "
+               "report's)") if isinstance(M, Tensor) else type(M).__name__
+        raise ValueError(f"semiseparable_rank takes lower-triangular mixing matrices [..., n, n] (rows: the sublayers "
+                         f"and the output, columns: the sources; a MixingMatrix's weights), got {got}")
     n = M.shape[-1]
     rtol = rank_rtol(n, M.dtype) if rtol is None else rtol
-    M = M.to(MIXING_DTYPE)
+    M = M.detach().to(MIXING_DTYPE)
     scale = torch.linalg.matrix_norm(M, ord=2).unsqueeze(-1)  # [..., 1]
     ranks = [(torch.linalg.svdvals(M[..., k:, : k + 1]) > rtol * scale).sum(-1) for k in range(n)]
     return torch.stack(ranks, -1).amax(-1)
@@ -211,10 +219,21 @@ class MixingForward:
         return list(rows.unbind(-2))
 
 
+#: How a model of the user's own (the README's "AttnRes in your own PyTorch model") gets what the
+#: analysis of an attnres model reads: the functions here run attnres's decoders, whose layout they
+#: know, and refused such a model without saying where its depth weights are.
+OWN_MODEL_WAY = ("for a model of your own that drives a residual module (README 'AttnRes in your own PyTorch model'), "
+                 "start its forward with state = residual.start(x, record_weights=True): after residual.finish(state), "
+                 "state.weights holds each mixer's depth weights [n_sources, ...] (depth_entropy takes each) and "
+                 "residual.mixing_matrix(state) the depth mixing matrix (semiseparable_rank and source_stats take "
+                 "its weights)")
+
+
 def _trunk(model: nn.Module):
     if not all(hasattr(model, a) for a in ("decode", "residual", "embed_tokens")):
         raise TypeError(f"depth mixing analysis runs models with the attnres decoder trunk (AttnResLM, the attnres.hf "
-                        f"models); got {type(model).__name__}")
+                        f"models) and transformers models of attnres.upcycle; got {type(model).__name__}; "
+                        f"{OWN_MODEL_WAY}")
     return model
 
 
@@ -260,7 +279,14 @@ def _recorded_mixing(model: nn.Module, input_ids: Tensor, per_channel: bool = Fa
 
 
 def source_stats(per_token: Tensor) -> list[SourceStats]:
-    """The sink table of per-token matrices ``[N, n, n]`` (``N`` tokens, or 1)."""
+    """The sink table of per-token matrices ``[N, n, n]`` (``N`` tokens, or 1): a
+    :class:`MixingMatrix`'s ``weights`` as they are, ``[B, T, n, n]`` or ``[n, n]`` (one
+    matrix for every token), whose leading dimensions count the tokens."""
+    if not isinstance(per_token, Tensor) or per_token.dim() < 2 or per_token.shape[-1] != per_token.shape[-2]:
+        got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
+        raise ValueError(f"source_stats takes mixing matrices [..., n, n] (a MixingMatrix's weights), got {got}")
+    # (a MixingMatrix's [B, T, n, n] or [n, n] failed unpacking the shape, "too many values to unpack")
+    per_token = per_token.detach().reshape(-1, *per_token.shape[-2:])
     N, n, _ = per_token.shape
     visible = torch.ones(n, n, dtype=torch.bool, device=per_token.device).tril()
     row_avg = (per_token * visible).sum(-1) / visible.sum(-1)  # [N, n]: average weight of a row's sources

@@ -96,8 +96,8 @@ def _cpu_kernel() -> str:
     PyTorch and why."""
     from ..ops.depth_attention import cpu_kernel
 
-    if os.environ.get("ATTNRES_CPU_KERNEL", "1") == "0":
-        return "PyTorch (the C kernel is switched off: ATTNRES_CPU_KERNEL=0)"
+    if cpu_kernel.switched_off():
+        return f"PyTorch (the C kernel is switched off: ATTNRES_CPU_KERNEL={os.environ['ATTNRES_CPU_KERNEL']})"
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         library = cpu_kernel.cpu_kernel()

@@ -22,10 +22,19 @@ from .query import DepthQuery
 from .registry import register_residual, registered_residuals, residual_class, validate_residual_config
 
 
-def build_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
+def build_residual(config: ResidualConfig | str | dict, dim: int, n_sublayers: int) -> ResidualStream:
     """The module ``config`` names, built by its registered class (with the stream storage
     ``config.autocast_stream`` asks for, which every variant's ``start`` and ``resume`` apply,
-    and AttnRes' Phase-1 sums in the autocast dtype where ``config.autocast_phase1_sums``)."""
+    and AttnRes' Phase-1 sums in the autocast dtype where ``config.autocast_phase1_sums``).
+
+    ``config`` as ``ModelConfig.residual`` takes it: a :class:`ResidualConfig`, a registered name
+    or a mapping of its fields, e.g. any variant in a model of one's own,
+    ``build_residual("highway", dim=256, n_sublayers=8)``. A name or a mapping is checked as a
+    model's config is (:func:`validate_residual_config`); a ``ResidualConfig`` is taken as its
+    model checked it."""
+    if not isinstance(config, ResidualConfig):  # (a name or a mapping: "'str' object has no attribute 'kind'")
+        config = ResidualConfig.from_value(config)
+        validate_residual_config(config, dim, n_sublayers)
     module = residual_class(config.kind).from_config(config, dim, n_sublayers)
     module.autocast_stream = config.autocast_stream
     if config.autocast_phase1_sums:  # (validate_residual_config: an AttnRes variant's two-phase schedule)

@@ -242,6 +242,15 @@ class AttnResBase(ResidualStream):
         for m in self.mixers:
             m.reset_parameters()
 
+    def _identity(self) -> dict[str, Any]:
+        """:meth:`ResidualStream._identity`, and the Table-4 ablation's settings where one is on
+        (raw keys, sigmoid weights, heads: the same weights, another function)."""
+        identity = super()._identity()
+        if self.ablation is not None:
+            default = AttnResAblation()
+            identity["ablation"] = {k: v for k, v in vars(self.ablation).items() if v != getattr(default, k)}
+        return identity
+
     def train(self, mode: bool = True) -> AttnResBase:
         """``nn.Module.train``; also drops the folded queries kept for no-grad forwards
         (:meth:`folded_queries`): a hand-written update through ``.data`` bumps no version
@@ -459,7 +468,9 @@ class AttnResBase(ResidualStream):
         """Each mixer's recorded weights placed on the ``v_i`` its sources sum: a source that
         is a sum (a block, a partial sum) gives its weight to every member (report §6.2)."""
         members = self.source_members()
-        M = scatter_source_weights(state.weights, members)
+        # (detached, as every other variant's: the recorded weights carry the forward's graph, which a
+        # float64 copy kept alive, and float() of its entries warned in source_stats)
+        M = scatter_source_weights([w.detach() for w in state.weights], members)
         groups = None
         if any(len(m) > 1 for cols in members for m in cols):
             groups = [range(m[0], m[-1] + 1) for m in members[-1]]

@@ -40,6 +40,8 @@ __all__ = ["ResidualState", "DepthHistory", "HistoryLayout", "ResidualStream", "
 
 #: Values of :attr:`ResidualState.phase`.
 PHASES = ("phase1", "phase2", "aggregation")
+#: Where a residual's entry in a state dict's metadata names its variant (``ResidualStream._identity``).
+IDENTITY_KEY = "attnres_residual"
 
 
 @dataclass
@@ -64,6 +66,8 @@ class ResidualState:
         (Highway its gates, the multi-stream variants their maps); nothing is kept otherwise.
     mixing_log: what a variant kept for its mixing matrix, one entry per sublayer.
     finished: ``finish`` has run.
+    owner: ``id`` of the residual module whose ``start`` or ``resume`` began it: a state serves
+        that module's calls only.
     """
 
     dtype: Any
@@ -77,6 +81,7 @@ class ResidualState:
     record_mixing: bool = False
     mixing_log: list[Any] = field(default_factory=list)
     finished: bool = False
+    owner: int | None = None
 
     def record(self, weights: Tensor, sources_last: bool = True) -> None:
         """Store one mixer's weights as ``[n_sources, ...]`` (given ``[..., n]``, or
@@ -105,6 +110,12 @@ class HistoryLayout(NamedTuple):
 
     completed: int
     running: bool
+
+
+def _said(identity: dict[str, Any]) -> str:
+    """A residual's state-dict identity in words: ``'attnres_block' (block_size=2)``."""
+    fields = ", ".join(f"{k}={v!r}" for k, v in identity.items() if k != "kind")
+    return f"{identity.get('kind')!r}" + (f" ({fields})" if fields else "")
 
 
 def _option_spellings(name: str) -> str:
@@ -283,12 +294,28 @@ class ResidualStream(DrivenModule, ABC):
 
     def _common(self, ref: Tensor, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
         record = record_weights and self.has_depth_attention
-        return {"dtype": ref.dtype, "device": ref.device, "weights": [] if record else None, "defer_norm": defer_norm}
+        return {"dtype": ref.dtype, "device": ref.device, "weights": [] if record else None, "defer_norm": defer_norm,
+                "owner": id(self)}
+
+    def _check_state(self, state: Any, call: str) -> None:
+        """``state`` as this module's :meth:`start` or :meth:`resume` returned it. The hidden
+        state given for it (``sublayer_input(h, l)``) failed in "'Tensor' object has no attribute
+        'next_sublayer'"; another residual module's state (a model with two) ran on with that
+        module's sources and queries, silently where both are of one class."""
+        if not isinstance(state, ResidualState):
+            raise TypeError(f"{type(self).__name__}.{call}: state must be what residual.start(x) returned (a "
+                            f"ResidualState), got {type(state).__name__}: state = residual.start(x) begins a forward, "
+                            "then h = residual.sublayer_input(state, l) and residual.add_output(state, l, sublayer(h))")
+        if state.owner is not None and state.owner != id(self):
+            raise ValueError(f"{type(self).__name__}.{call}: this state was begun by another residual module "
+                             f"({type(state).__name__}); each residual module drives the states its own start(x) "
+                             "begins (a model with two residuals keeps one state for each)")
 
     def sublayer_input(self, state: ResidualState, l: int):
         """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``: a tensor, or with
         ``state.defer_norm`` possibly a :class:`~attnres.nn.norm.FusableNormInput` that the
         sublayer's RMSNorm turns into ``norm(h_l)`` in one fused kernel."""
+        self._check_state(state, "sublayer_input(state, l)")
         if l != state.next_sublayer or state.expecting_output or l >= self.n_sublayers:
             self._refuse_finished(state, f"sublayer_input({l})")
             if l == state.next_sublayer and not state.expecting_output:  # (one past the last: it read the output
@@ -316,6 +343,7 @@ class ResidualStream(DrivenModule, ABC):
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
         embedding's shape (``[..., d]`` after ``resume``) on its device; cast to the stream's
         dtype."""
+        self._check_state(state, "add_output(state, l, output)")
         if l != state.next_sublayer or not state.expecting_output:
             self._refuse_finished(state, f"add_output({l})")
             if l == state.next_sublayer:  # ("called out of order: expected sublayer l" named the l it was given)
@@ -341,6 +369,7 @@ class ResidualStream(DrivenModule, ABC):
 
     def finish(self, state: ResidualState) -> Tensor:
         """The final hidden state (before the final norm), ``[..., d]``."""
+        self._check_state(state, "finish(state)")
         if state.finished:
             raise RuntimeError("finish() called twice: start a new forward with start()")
         if state.next_sublayer != self.n_sublayers or state.expecting_output:
@@ -357,6 +386,7 @@ class ResidualStream(DrivenModule, ABC):
     def history(self, state: ResidualState) -> DepthHistory:
         """The stream in front of sublayer ``state.next_sublayer`` as tensors, in the layout
         of :meth:`history_layout` (after ``finish``: every source as completed)."""
+        self._check_state(state, "history(state)")
         if state.expecting_output:
             raise RuntimeError(f"history() called between sublayer_input({state.next_sublayer}) and its add_output")
         return self._history(state)
@@ -419,6 +449,44 @@ class ResidualStream(DrivenModule, ABC):
     def reset_parameters(self) -> None:
         """Re-initialise this module's own parameters (none for the standard residual)."""
 
+    # -- what its state dict says of it --------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        """The variant and the fields it builds from (:attr:`reads_fields`, Block AttnRes'
+        ``block_size``): what weights of the same names and shapes compute another function under."""
+        fields = {f: getattr(self, f) for f in sorted(self.reads_fields) if isinstance(getattr(self, f, None), int)}
+        return {"kind": self.name or type(self).__qualname__, **fields}
+
+    def _computes_as(self, saved: dict[str, Any]) -> bool:
+        """Whether weights saved from the residual whose :meth:`_identity` is ``saved`` compute
+        here what they computed there."""
+        return saved == self._identity()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """``nn.Module``'s, with :meth:`_identity` in the state dict's metadata (which
+        ``torch.save`` keeps, and safetensors files do not hold)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][IDENTITY_KEY] = self._identity()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """``nn.Module``'s, refusing the state dict of another variant or block size whose
+        metadata says so: Full and Block AttnRes, or Block AttnRes at two block sizes, have
+        weights of the same names and shapes, and ``load_state_dict`` of a model of one's own
+        loaded one into the other without a word. A state dict without it (a safetensors file,
+        an earlier version's) loads as before."""
+        saved = local_metadata.get(IDENTITY_KEY)
+        if isinstance(saved, dict) and not self._computes_as(saved):
+            where = f"module {prefix[:-1]!r}" if prefix else "this module"
+            error_msgs.append(
+                f"{where} is residual {_said(self._identity())} but the state dict holds residual {_said(saved)}: "
+                "weights of the same names and shapes that compute another function. Build it as the one saved; to "
+                "load the weights into this one on purpose (as initial values), pass them without the metadata that "
+                "names it: load_state_dict(dict(state_dict))")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def mixing_matrix(self, state: ResidualState, per_channel: bool = False) -> MixingMatrix:
         """The depth mixing matrix ``M`` of the forward ``state`` ran (report §6.2, Fig. 9), a
         :class:`~attnres.nn.residual.mixing.MixingMatrix`: ``M[..., r, i]`` is the weight of
@@ -429,6 +497,7 @@ class ResidualStream(DrivenModule, ABC):
         and have run every sublayer and ``finish``. ``per_channel``: variants that weight
         channel by channel (Highway, LayerScale) also fill ``MixingMatrix.per_channel``.
         Variants registered without ``_mixing_matrix`` raise ``NotImplementedError``."""
+        self._check_state(state, "mixing_matrix(state)")
         if type(self)._mixing_matrix is ResidualStream._mixing_matrix:
             ResidualStream._mixing_matrix(self, state)  # raises, naming the variant and the missing method
         if not state.record_mixing or not state.finished:

@@ -157,18 +157,26 @@ def _partial(state: BlockNaiveState | BlockTwoPhaseState) -> list[Tensor]:
     return [] if state.partial is None else [state.partial]
 
 
-def _warn_single_block(block_size: int | None, n_sublayers: int) -> None:
+def _warn_single_block(block_size: int | None, n_sublayers: int, built: bool = False) -> None:
     """Warn when a given ``block_size`` cuts the model's ``n_sublayers`` into a single block
     (report §3.2: ``S >= L``). Defined, so not refused, but Block AttnRes is then another thing
     than meant - every sublayer attends over the embedding and its partial sum only, never a
-    completed block - most often ``S`` counted in transformer blocks (layers), not sublayers."""
+    completed block - most often ``S`` counted in transformer blocks (layers), not sublayers,
+    or the number of blocks given for their size. ``built``: said of a ``BlockAttnRes(...)``
+    built directly, whose block size has no default, not of a config's field."""
     if block_size is None or n_sublayers < 2 or block_size < n_sublayers:
         return
     default = -(-n_sublayers // 8)  # ResidualConfig's unset block_size
+    single = ("Block AttnRes has a single block (N = 1), no completed block to attend over; block_size counts "
+              f"sublayers - at most {n_sublayers - 1} gives 2 or more blocks")
+    if built:
+        warn_user(f"BlockAttnRes: block_size={block_size} is at least its n_sublayers={n_sublayers}: {single} (a block "
+                  f"size, not a number of blocks); {default} gives {-(-n_sublayers // default)} blocks (about 8 where "
+                  "the depth allows, as the report recommends, §3.2)")
+        return
     warn_user(f"model.residual.block_size (attnres upcycle's --block-size) = {block_size} is at least the model's "
-              f"{n_sublayers} sublayers ({n_sublayers // 2} layer{'s' if n_sublayers > 2 else ''} of 2): Block AttnRes has a single block (N = 1), "
-              f"no completed block to attend over; block_size counts sublayers - at most {n_sublayers - 1} gives 2 or "
-              f"more blocks; unset, it is {default}: {-(-n_sublayers // default)} blocks (about 8 where the depth allows, "
+              f"{n_sublayers} sublayers ({n_sublayers // 2} layer{'s' if n_sublayers > 2 else ''} of 2): {single}; "
+              f"unset, it is {default}: {-(-n_sublayers // default)} blocks (about 8 where the depth allows, "
               "as the report recommends, §3.2)")
 
 
@@ -183,7 +191,9 @@ class BlockAttnRes(AttnResBase):
     ``S >= L`` a single block.
 
     ``block_size``: ``S``; the other arguments are :class:`AttnResBase`'s. E.g. 16
-    sublayers in 8 blocks: ``BlockAttnRes(dim=512, n_sublayers=16, block_size=2)``.
+    sublayers in 8 blocks: ``BlockAttnRes(dim=512, n_sublayers=16, block_size=2)``. A
+    ``block_size`` of ``n_sublayers`` or more (a single block) is warned of, as in a config
+    (``warn_single_block=False``: meant so, or said already, as ``from_config`` builds it).
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
@@ -192,7 +202,7 @@ class BlockAttnRes(AttnResBase):
     def __init__(
         self, dim: int, n_sublayers: int, block_size: int, eps: float = 1e-6, schedule: str = "two_phase",
         ablation: AttnResAblation | None = None, backend: str = "auto",
-        recompute_phase1: bool = True,
+        recompute_phase1: bool = True, *, warn_single_block: bool = True,
     ) -> None:
         if not Int(1).ok(block_size):
             raise ValueError(f"BlockAttnRes: block_size must be an integer >= 1, got {block_size!r}")
@@ -200,15 +210,23 @@ class BlockAttnRes(AttnResBase):
             raise ValueError("the sliding-window ablation applies to Full AttnRes only")
         self.block_size = block_size
         super().__init__(dim, n_sublayers, eps, schedule, ablation, backend, recompute_phase1)
+        if warn_single_block:  # (a model of one's own: BlockAttnRes(d, 8, block_size=8), meant as 8 blocks, was
+            # one block without a word; from_config's config was warned of when checked)
+            _warn_single_block(block_size, n_sublayers, built=True)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, block_size={self.block_size}"
+
+    def _computes_as(self, saved: dict[str, Any]) -> bool:
+        """Also Full AttnRes' weights where ``S = 1``, which is Full AttnRes (report §3.2)."""
+        return super()._computes_as(saved) or (self.name == "attnres_block" and self.block_size == 1
+                                               and saved == {"kind": "attnres_full"} and self.ablation is None)
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:
         return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, schedule=config.schedule,
                    ablation=config.ablation, backend=config.backend,
-                   recompute_phase1=config.recompute_phase1)
+                   recompute_phase1=config.recompute_phase1, warn_single_block=False)
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:

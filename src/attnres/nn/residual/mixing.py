@@ -34,7 +34,7 @@ __all__ = [
 MIXING_DTYPE = torch.float64
 
 
-@dataclass
+@dataclass(repr=False)
 class MixingMatrix:
     """One forward's depth mixing matrix.
 
@@ -64,6 +64,20 @@ class MixingMatrix:
     def size(self) -> int:
         """``L + 1``: rows (sublayers and the output aggregation) and columns (sources)."""
         return self.weights.shape[-1]
+
+    def __repr__(self) -> str:
+        """One line, as :class:`attnres.analysis.DepthMixing`'s: the shapes, not the entries (the
+        dataclass's repr printed every token's matrix, thousands of lines of a recorded forward)."""
+        parts = [f"weights {list(self.weights.shape)}",
+                 "input-dependent" if self.input_dependent else "input-independent"]
+        if self.per_channel is not None:
+            parts.append(f"per_channel {list(self.per_channel.shape)}")
+        if self.reduction is not None:
+            parts.append(f"reduction {self.reduction!r}")
+        if self.source_groups is not None:
+            parts.append("source_groups " + ", ".join(f"v{g.start}..v{g.stop - 1}" if len(g) > 1 else f"v{g.start}"
+                                                      for g in self.source_groups))
+        return f"MixingMatrix({', '.join(parts)})"
 
 
 def unit_lower_triangular(n_sublayers: int, device=None) -> Tensor:

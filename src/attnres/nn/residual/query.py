@@ -74,3 +74,10 @@ class DepthQuery(nn.Module):
         if return_weights and ab.heads is not None:
             return result[0], result[1].mean(dim=-1)  # recorded weights: mean over heads
         return result
+
+    def forward(self, sources: list[Tensor], scale: float = 1.0, return_weights: bool = False):
+        """:meth:`attend`: a mixer of one's own, ``DepthQuery(d)([v_0, v_1, v_2])`` (a model's
+        depth pooling), ended in nn.Module's "missing the required forward function". The
+        residual modules call :meth:`attend` and their own operations, not this: a hook on one
+        of their ``mixers`` does not run."""
+        return self.attend(sources, scale, return_weights)

@@ -201,11 +201,30 @@ def _pointer(fn: str, param: str, nullable: bool, x: Tensor | None, dtype: torch
 _QUIET = " (or ATTNRES_CPU_KERNEL=0 to run it without building, and without this warning)"
 
 
+#: ``ATTNRES_CPU_KERNEL``'s values that switch the kernel off, and those that leave it on (unset too).
+SWITCHED_OFF, SWITCHED_ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes", "")
+
+
+def switched_off() -> bool:
+    """Whether ``ATTNRES_CPU_KERNEL`` switches the kernel off: ``0`` (``false``, ``off``,
+    ``no``). Only ``0`` did: ``ATTNRES_CPU_KERNEL=false`` built and ran the kernel without a
+    word. A value that is neither on nor off is warned of, naming both, and leaves it on."""
+    value = os.environ.get("ATTNRES_CPU_KERNEL", "").strip().lower()
+    if value in SWITCHED_OFF:
+        return True
+    if value not in SWITCHED_ON:
+        warn_user(f"ATTNRES_CPU_KERNEL={os.environ['ATTNRES_CPU_KERNEL']!r} is neither 0 (the PyTorch implementation; "
+                  f"also {', '.join(SWITCHED_OFF[1:])}) nor 1 (the C kernel, as unset; also "
+                  f"{', '.join(filter(None, SWITCHED_ON[1:]))}): the C kernel runs")
+    return False
+
+
 @functools.cache
 def cpu_kernel() -> KernelLibrary | None:
     """The kernel library, built on the first call; ``None`` when it is switched off
-    (``ATTNRES_CPU_KERNEL=0``) or cannot be built here (a warning says why, once)."""
-    if os.environ.get("ATTNRES_CPU_KERNEL", "1") == "0":
+    (``ATTNRES_CPU_KERNEL=0``: :func:`switched_off`) or cannot be built here (a warning says
+    why, once)."""
+    if switched_off():
         return None
     compiler = shlex.split(os.environ.get("CC", "")) or [c for c in [shutil.which("cc") or shutil.which("gcc")] if c]
     if not compiler:
