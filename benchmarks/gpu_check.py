@@ -1003,7 +1003,8 @@ def with_option(fn, model, option: str):
 
 def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool, paired: bool = False) -> dict:
     """The training steps, interleaved; eager, also Block keeping its sums (:data:`SUMS_KEPT`)
-    and, with ``paired``, the standard model and Block with each option of :data:`PAIRED`."""
+    and, with ``paired``, the standard model and Block with each option of :data:`PAIRED` -
+    the targets' steps measured before any other's first run (:func:`eager_rows`)."""
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
     steps = train_steps(models, ids, device, compiled)
     forwards = {k: forward_of(m, ids, device) for k, m in models.items()}
@@ -1018,27 +1019,83 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
         if "block" in models:
             steps[SUMS_BF16] = with_option(steps["block"], models["block"], "autocast_phase1_sums")
             forwards[SUMS_BF16] = with_option(forwards["block"], models["block"], "autocast_phase1_sums")
+    if not compiled:
+        return eager_rows(z, clock, models, device, steps, forwards)
     errors: dict = {}
     result = {"errors": errors}
     start = time.perf_counter()
-    if compiled:  # (each model's first step compiles it: minutes, so each within the deadline)
-        steps, result["compile_s"], result["dropped"] = compile_within(steps, clock, errors)
-    else:
-        steps = runnable(clock, errors, steps)
-        forwards = {k: f for k, f in forwards.items() if k in steps}
-    for model in models.values():  # (a step that failed in its backward left the gradients it had made)
-        model.zero_grad(set_to_none=True)
+    # (each model's first step compiles it: minutes, so each within the deadline)
+    steps, result["compile_s"], result["dropped"] = compile_within(steps, clock, errors)
+    zero_grads(models)
     result["warm_up_s"] = time.perf_counter() - start
     result["ms"] = {k: t * 1e3 for k, t in clock.interleaved(steps, z.repeats).items()}
-    if compiled:  # (where a compiled step's device time goes: one more step each, already compiled)
-        result["profile"] = attempt(clock, errors, "profile", lambda: {
-            name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}, {})
-    else:
-        result["peak_memory_MiB"] = each(clock, errors, "peak_memory", lambda s: peak_memory(s, device) / 2**20, steps)
-        # (what autograd keeps from the forward, apart from the backward's transients: the
-        # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
-        result["kept_MiB"] = each(clock, errors, "kept", lambda f: kept_bytes(f, device) / 2**20, forwards)
+    # (where a compiled step's device time goes: one more step each, already compiled)
+    result["profile"] = attempt(clock, errors, "profile", lambda: {
+        name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}, {})
     return result
+
+
+def zero_grads(models: dict) -> None:
+    """(a step that failed in its backward left the gradients it had made: none is added to)"""
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+
+
+def eager_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict, forwards: dict) -> dict:
+    """The eager part's rows: the targets' steps (:func:`targets_first`) run once, timed and
+    their memory measured before any other step's first run, then the others', each timed
+    beside the standard model again (:func:`timed_beside`). An option's step that loses the
+    device at its first run ends the part with the targets' rows, the failure recorded."""
+    errors: dict = {}
+    result = {"errors": errors, "warm_up_s": 0.0, "ms": {}, "peak_memory_MiB": {}, "kept_MiB": {}}
+    seconds: dict[str, float] = {}
+    targets, others = targets_first(steps, lambda name: name)
+    try:
+        for group in (targets, others):
+            start = time.perf_counter()
+            group = runnable(clock, errors, group, keep_rows=True)
+            zero_grads(models)
+            result["warm_up_s"] += time.perf_counter() - start
+            seconds.update(timed_beside(clock, group, targets, seconds, lambda name: "standard", z.repeats))
+            result["ms"] = {k: t * 1e3 for k, t in seconds.items()}
+            result["peak_memory_MiB"].update(each(clock, errors, "peak_memory",
+                                                  lambda s: peak_memory(s, device) / 2**20, group))
+            # (what autograd keeps from the forward, apart from the backward's transients: the
+            # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
+            result["kept_MiB"].update(each(clock, errors, "kept", lambda f: kept_bytes(f, device) / 2**20,
+                                           {k: forwards[k] for k in group}))
+    except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
+        pass
+    return result
+
+
+#: The models whose steps the targets are judged on (:data:`TARGETS`): each part that also
+#: times other steps - Full AttnRes, the options', Phase 1 in one kernel - runs theirs first.
+TARGET_MODELS = ("standard", "block")
+
+
+def targets_first(steps: dict, model_of) -> tuple[dict, dict]:
+    """``steps`` as ``(the targets' steps, the others)``: ``model_of(name)`` of a target's is
+    in :data:`TARGET_MODELS`. The targets' are run, timed and measured first: a step no GPU
+    has run - an option's, Phase 1 in one kernel, a graph's capture - that loses the device
+    at its first run (a sticky fault: nothing can run after it) cannot lose their rows."""
+    targets = {k: step for k, step in steps.items() if model_of(k) in TARGET_MODELS}
+    return targets, {k: step for k, step in steps.items() if k not in targets}
+
+
+def timed_beside(clock: Clock, steps: dict, references: dict, reference_s: dict[str, float], reference_of,
+                 repeats: int) -> dict[str, float]:
+    """Median seconds per step of ``steps`` (:meth:`Clock.interleaved`), each in the same
+    rounds as its reference - ``references[reference_of(name)]``, timed before in rounds of
+    its own at ``reference_s`` seconds - and scaled by ``reference_s / its time in these
+    rounds``: a step's ratio to its reference is that of their shared rounds (the device's
+    drift between the two timings cancels, as interleaving is for), its row in the units of
+    the reference's. The summary's ratios by name hold as before. A step whose reference was
+    not timed (failed) is timed as it is; without ``reference_s``, the steps alone."""
+    names = {reference_of(k) for k in steps} & set(reference_s)
+    rounds = clock.interleaved({**{r: references[r] for r in names}, **steps}, repeats)
+    scale = {r: reference_s[r] / rounds[r] for r in names if rounds[r] > 0}
+    return {k: rounds[k] * scale.get(reference_of(k), 1.0) for k in steps}
 
 
 def each(clock: Clock, errors: dict, piece: str, fn, items: dict) -> dict:
@@ -1243,8 +1300,9 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
     CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
     kernel (:data:`ONE_KERNEL`). A step that loses the device (batch 8's graph capture) ends
-    the part: the batches measured before it are returned, the failure among the ``errors``
-    (the parts after it run in a fresh process)."""
+    the part: the rows measured before it are returned - each batch's targets' are measured
+    before its other steps' first runs (:func:`decode_batch`) -, the failure among the
+    ``errors`` (the parts after it run in a fresh process)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
     result, errors = {}, {}
@@ -1256,19 +1314,34 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
             if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
                 steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype, static_mode,
                                                                  tokens)
-            # (each step's cache made, its graph captured, at its first run: one that fails is
-            # recorded, the others timed; one that loses the device ends the part with the
-            # batches measured before it)
-            try:
-                steps = runnable(clock, errors, steps, prefix=f"b{batch} ", keep_rows=True)
-            except DeviceLost:
-                break
-            for key, t in clock.interleaved(steps, z.repeats).items():
+            seconds, lost = decode_batch(clock, errors, steps, f"b{batch} ", z.repeats)
+            for key, t in seconds.items():
                 name, mode = key.split("|")
                 result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
             del steps  # (and with them the caches and graphs, before the next batch's)
+            if lost:
+                break
     result["errors"] = errors
     return result
+
+
+def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: int) -> tuple[dict[str, float], bool]:
+    """Seconds per step of one batch's decode ``steps`` (``name|mode``), the targets' first
+    (:func:`targets_first`), the others each timed beside the standard model's step of its
+    mode (:func:`timed_beside`); and whether a first run lost the device. Each step's cache is
+    made, its graph captured, at its first run: one that fails is recorded, the others timed;
+    one that loses the device ends the part with the rows measured before it - the batch's
+    targets' where an option's step lost it (:class:`DeviceLost`)."""
+    seconds: dict[str, float] = {}
+    targets, others = targets_first(steps, lambda key: key.split("|")[0])
+    try:
+        for group in (targets, others):
+            group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
+            seconds.update(timed_beside(clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1],
+                                        repeats))
+    except DeviceLost:
+        return seconds, True
+    return seconds, False
 
 
 def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> dict:

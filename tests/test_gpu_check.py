@@ -1767,3 +1767,92 @@ def test_a_decode_batch_that_loses_the_device_keeps_the_batches_measured_before(
     # (the smoke's clock is strict: there the failure fails the part, as before)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         gpu_check.part_decode(gpu_check.SMOKE, gpu_check.Clock("cpu"), {"standard": torch.nn.Linear(2, 2)}, "cpu")
+
+
+def _losing_the_device_at(monkeypatch, gpu_check) -> list:
+    """The device lost once a step has failed with a sticky fault (appended to the list
+    returned) - on the CPU, with a GPU's lenient clock."""
+    lost = []
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: not lost)
+    return lost
+
+
+def test_an_option_that_loses_the_device_at_its_first_run_keeps_the_eager_targets_rows(monkeypatch):
+    """Every step of the eager part made its first run before any timing: an option's step
+    (the bf16 stream: none has run on a GPU yet) that lost the device there (a sticky fault)
+    left nothing to time, and the part failed, the standard model's and Block's rows - the
+    training and memory targets' - lost with it. Their steps now run, are timed and their
+    memory measured first; the part returns their rows with the failure recorded (the parts
+    after it run in a fresh process: ``run_one_part``)."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    lost = _losing_the_device_at(monkeypatch, gpu_check)
+
+    def losing(model, on):
+        if on:
+            lost.append(model)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return False
+
+    monkeypatch.setitem(gpu_check.MODEL_OPTIONS, "autocast_stream", losing)
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    lenient = gpu_check.Clock("cpu", strict=False)  # (a GPU's clock)
+    eager = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=False, paired=True)
+    assert list(eager["ms"]) == ["standard", "block"] and len(lost) == 1
+    assert set(eager["peak_memory_MiB"]) == set(eager["kept_MiB"]) == {"standard", "block"}  # (the memory target's)
+    assert set(eager["errors"]) == {"standard (bf16 stream)"}
+    assert "illegal memory access" in eager["errors"]["standard (bf16 stream)"]
+
+
+def test_phase1_in_one_kernel_losing_the_device_at_its_first_run_keeps_batch_1s_targets_rows(monkeypatch):
+    """As in the eager part: Block's decode step with Phase 1 in one kernel (not run on a GPU
+    yet) losing the device at its first run at batch 1 lost that batch's rows - the decode
+    target's. The standard model's and Block's steps are run and timed first: batch 1's
+    rows of theirs are kept, the failure recorded, and the part ends there."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    lost = _losing_the_device_at(monkeypatch, gpu_check)
+
+    @contextlib.contextmanager
+    def losing_kernel():
+        lost.append("one kernel")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        yield
+
+    monkeypatch.setattr(gpu_check, "phase1_in_one_kernel", losing_kernel)
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    decode = gpu_check.part_decode(gpu_check.SMOKE, gpu_check.Clock("cpu", strict=False), models, "cpu")
+    assert set(decode) == {"b1", "errors"} and len(lost) == 1
+    assert {mode: set(rows) for mode, rows in decode["b1"].items()} == {"eager": {"standard", "block"},
+                                                                       "graphed": {"standard", "block"}}
+    assert set(decode["errors"]) == {f"b1 {gpu_check.ONE_KERNEL}|graphed"}
+
+
+def test_a_step_timed_after_the_targets_keeps_its_ratio_to_the_standard_model_of_its_own_rounds():
+    """The steps timed after the targets' (Full, the options', Phase 1 in one kernel) are
+    timed beside the standard model's step again, and their rows scaled to its first timing:
+    each ratio to it is that of their shared rounds (the summary's ratios by name), not one
+    across two timings the device drifted between."""
+    import gpu_check
+
+    class Clock:
+        def __init__(self, drift):
+            self.drift = drift
+
+        def interleaved(self, steps, repeats):
+            return {k: self.drift * step() for k, step in steps.items()}
+
+    steps = {"standard|graphed": lambda: 2.0, "block|graphed": lambda: 2.2, "full|graphed": lambda: 3.0,
+             "full|eager": lambda: 5.0}  # (no standard eager step: Full's eager one timed as it is)
+
+    def reference_of(key):
+        return "standard|" + key.split("|")[1]
+
+    targets, others = gpu_check.targets_first(steps, lambda key: key.split("|")[0])
+    assert list(targets) == ["standard|graphed", "block|graphed"] and list(others) == ["full|graphed", "full|eager"]
+    first = gpu_check.timed_beside(Clock(1.0), targets, targets, {}, reference_of, 3)
+    assert first == {"standard|graphed": 2.0, "block|graphed": 2.2}
+    later = gpu_check.timed_beside(Clock(2.0), others, targets, first, reference_of, 3)  # (the device twice as slow)
+    assert later == pytest.approx({"full|graphed": 3.0, "full|eager": 10.0})
