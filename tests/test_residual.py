@@ -711,50 +711,6 @@ def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_doe
     assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
 
 
-def test_a_state_dict_of_another_residual_with_the_same_names_is_refused_by_load_state_dict(tmp_path):
-    """Full and Block AttnRes, and Block AttnRes at two block sizes, hold weights of the same names
-    and shapes: a model of one's own that saved one with ``torch.save(model.state_dict())`` loaded
-    it into the other without a word, another function from the same weights. The state dict's
-    metadata names the variant (and ``block_size``), and ``load_state_dict`` refuses the other,
-    naming both; a state dict without it (a safetensors file) loads as before, and
-    ``dict(state_dict)`` loads across on purpose."""
-    from safetensors.torch import load_file, save_file
-
-    from attnres.nn.residual import AttnResAblation
-
-    class Own(torch.nn.Module):
-        def __init__(self, residual):
-            super().__init__()
-            self.proj, self.residual = torch.nn.Linear(8, 8), residual
-
-    saved = Own(BlockAttnRes(8, 4, 2))
-    with torch.no_grad():
-        for p in saved.residual.parameters():
-            p.normal_()
-    torch.save(saved.state_dict(), tmp_path / "own.pt")
-    state = torch.load(tmp_path / "own.pt")
-    for other, said in ((FullAttnRes(8, 4), "'attnres_full'"), (BlockAttnRes(8, 4, 1), "'attnres_block' \\(block_size=1\\)")):
-        model = Own(other)
-        with pytest.raises(RuntimeError, match=f"module 'residual' is residual {said} but the state dict holds residual "
-                                               r"'attnres_block' \(block_size=2\): .*load_state_dict\(dict\(state_dict\)\)"):
-            model.load_state_dict(state)
-        model.load_state_dict(dict(state))  # (on purpose)
-        assert torch.equal(model.residual.mixers[3].query, saved.residual.mixers[3].query)
-    same = Own(BlockAttnRes(8, 4, 2, schedule="naive"))  # (the schedule computes the same function)
-    same.load_state_dict(state)
-    save_file(saved.state_dict(), str(tmp_path / "own.safetensors"))
-    Own(FullAttnRes(8, 4)).load_state_dict(load_file(str(tmp_path / "own.safetensors")))  # (no metadata: as before)
-    with pytest.raises(RuntimeError, match="this module is residual 'attnres_block' \\(block_size=2\\) but the state "
-                                           "dict holds residual 'attnres_full'"):
-        BlockAttnRes(8, 4, 2).load_state_dict(FullAttnRes(8, 4).state_dict())
-    # S = 1 is Full AttnRes, both ways; a Table-4 ablation (raw keys: the same weights) is another function
-    BlockAttnRes(8, 4, 1).load_state_dict(FullAttnRes(8, 4).state_dict())
-    FullAttnRes(8, 4).load_state_dict(BlockAttnRes(8, 4, 1).state_dict())
-    raw_keys = AttnResAblation(key_norm=False)
-    with pytest.raises(RuntimeError, match=r"holds residual 'attnres_full' \(ablation=\{'key_norm': False\}\)"):
-        FullAttnRes(8, 4).load_state_dict(FullAttnRes(8, 4, schedule="naive", ablation=raw_keys).state_dict())
-
-
 @pytest.mark.parametrize("n_sublayers, block_size, warns", [(8, 7, False), (8, 8, True), (4, 100, True), (1, 1, False)])
 def test_a_block_attnres_built_as_one_block_in_ones_own_model_warns_once(n_sublayers, block_size, warns):
     """``BlockAttnRes(d, 8, block_size=8)`` in a model of one's own (8 blocks meant, the report's N)

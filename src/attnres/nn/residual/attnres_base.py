@@ -242,15 +242,6 @@ class AttnResBase(ResidualStream):
         for m in self.mixers:
             m.reset_parameters()
 
-    def _identity(self) -> dict[str, Any]:
-        """:meth:`ResidualStream._identity`, and the Table-4 ablation's settings where one is on
-        (raw keys, sigmoid weights, heads: the same weights, another function)."""
-        identity = super()._identity()
-        if self.ablation is not None:
-            default = AttnResAblation()
-            identity["ablation"] = {k: v for k, v in vars(self.ablation).items() if v != getattr(default, k)}
-        return identity
-
     def train(self, mode: bool = True) -> AttnResBase:
         """``nn.Module.train``; also drops the folded queries kept for no-grad forwards
         (:meth:`folded_queries`): a hand-written update through ``.data`` bumps no version

@@ -40,8 +40,6 @@ __all__ = ["ResidualState", "DepthHistory", "HistoryLayout", "ResidualStream", "
 
 #: Values of :attr:`ResidualState.phase`.
 PHASES = ("phase1", "phase2", "aggregation")
-#: Where a residual's entry in a state dict's metadata names its variant (``ResidualStream._identity``).
-IDENTITY_KEY = "attnres_residual"
 
 
 @dataclass
@@ -110,12 +108,6 @@ class HistoryLayout(NamedTuple):
 
     completed: int
     running: bool
-
-
-def _said(identity: dict[str, Any]) -> str:
-    """A residual's state-dict identity in words: ``'attnres_block' (block_size=2)``."""
-    fields = ", ".join(f"{k}={v!r}" for k, v in identity.items() if k != "kind")
-    return f"{identity.get('kind')!r}" + (f" ({fields})" if fields else "")
 
 
 def _option_spellings(name: str) -> str:
@@ -448,44 +440,6 @@ class ResidualStream(DrivenModule, ABC):
 
     def reset_parameters(self) -> None:
         """Re-initialise this module's own parameters (none for the standard residual)."""
-
-    # -- what its state dict says of it --------------------------------------------------
-    def _identity(self) -> dict[str, Any]:
-        """The variant and the fields it builds from (:attr:`reads_fields`, Block AttnRes'
-        ``block_size``): what weights of the same names and shapes compute another function under."""
-        fields = {f: getattr(self, f) for f in sorted(self.reads_fields) if isinstance(getattr(self, f, None), int)}
-        return {"kind": self.name or type(self).__qualname__, **fields}
-
-    def _computes_as(self, saved: dict[str, Any]) -> bool:
-        """Whether weights saved from the residual whose :meth:`_identity` is ``saved`` compute
-        here what they computed there."""
-        return saved == self._identity()
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        """``nn.Module``'s, with :meth:`_identity` in the state dict's metadata (which
-        ``torch.save`` keeps, and safetensors files do not hold)."""
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        metadata = getattr(destination, "_metadata", None)
-        if metadata is not None and prefix[:-1] in metadata:
-            metadata[prefix[:-1]][IDENTITY_KEY] = self._identity()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        """``nn.Module``'s, refusing the state dict of another variant or block size whose
-        metadata says so: Full and Block AttnRes, or Block AttnRes at two block sizes, have
-        weights of the same names and shapes, and ``load_state_dict`` of a model of one's own
-        loaded one into the other without a word. A state dict without it (a safetensors file,
-        an earlier version's) loads as before."""
-        saved = local_metadata.get(IDENTITY_KEY)
-        if isinstance(saved, dict) and not self._computes_as(saved):
-            where = f"module {prefix[:-1]!r}" if prefix else "this module"
-            error_msgs.append(
-                f"{where} is residual {_said(self._identity())} but the state dict holds residual {_said(saved)}: "
-                "weights of the same names and shapes that compute another function. Build it as the one saved; to "
-                "load the weights into this one on purpose (as initial values), pass them without the metadata that "
-                "names it: load_state_dict(dict(state_dict))")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
     def mixing_matrix(self, state: ResidualState, per_channel: bool = False) -> MixingMatrix:
         """The depth mixing matrix ``M`` of the forward ``state`` ran (report §6.2, Fig. 9), a

@@ -217,11 +217,6 @@ class BlockAttnRes(AttnResBase):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, block_size={self.block_size}"
 
-    def _computes_as(self, saved: dict[str, Any]) -> bool:
-        """Also Full AttnRes' weights where ``S = 1``, which is Full AttnRes (report §3.2)."""
-        return super()._computes_as(saved) or (self.name == "attnres_block" and self.block_size == 1
-                                               and saved == {"kind": "attnres_full"} and self.ablation is None)
-
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:
         return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, schedule=config.schedule,

@@ -141,11 +141,6 @@ class FullAttnRes(AttnResBase):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
-    def _computes_as(self, saved: dict[str, Any]) -> bool:
-        """Also Block AttnRes' weights at ``S = 1``, which is Full AttnRes (report §3.2)."""
-        return super()._computes_as(saved) or (self.name == "attnres_full" and self.ablation is None
-                                               and saved == {"kind": "attnres_block", "block_size": 1})
-
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> FullAttnRes:
         return cls(dim, n_sublayers, eps=config.eps, schedule=config.schedule, group_size=config.full_group_size,
