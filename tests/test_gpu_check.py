@@ -1856,3 +1856,101 @@ def test_a_step_timed_after_the_targets_keeps_its_ratio_to_the_standard_model_of
     assert first == {"standard|graphed": 2.0, "block|graphed": 2.2}
     later = gpu_check.timed_beside(Clock(2.0), others, targets, first, reference_of, 3)  # (the device twice as slow)
     assert later == pytest.approx({"full|graphed": 3.0, "full|eager": 10.0})
+
+
+ILLEGAL = "CUDA error: an illegal memory access was encountered"
+
+
+def _dying_train_steps(monkeypatch, gpu_check, lost: list, losing) -> None:
+    """The training steps of a device lost (``lost`` not empty) once ``losing(name, calls)``
+    says so at a step's call: that call and every step's after it raise a sticky fault."""
+    made = gpu_check.train_steps
+
+    def train_steps(models, ids, device, compiled=False):
+        def dying(name, step):
+            calls = []
+
+            def run():
+                calls.append(name)
+                if not lost and losing(name, len(calls)):
+                    lost.append(name)
+                if lost:
+                    raise RuntimeError(ILLEGAL)
+                step()
+
+            return run
+
+        return {name: dying(name, step) for name, step in made(models, ids, device, compiled).items()}
+
+    monkeypatch.setattr(gpu_check, "train_steps", train_steps)
+
+
+def test_a_step_that_loses_the_device_in_its_timing_rounds_keeps_the_targets_rows(monkeypatch):
+    """A step that ran once but lost the device in its timing rounds (not its first run)
+    failed the whole part, with it the targets' rows measured before: the eager part's and
+    decode's earlier batches. The loss is recorded under ``timing`` and
+    the steps timed then; the rows before it are kept."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    lost = _losing_the_device_at(monkeypatch, gpu_check)
+    _dying_train_steps(monkeypatch, gpu_check, lost, lambda name, calls: name == "full" and calls > 1)
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    lenient = gpu_check.Clock("cpu", strict=False)  # (a GPU's clock)
+    eager = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=False)
+    others = f"timing full, {gpu_check.SUMS_KEPT}"
+    assert list(eager["ms"]) == ["standard", "block"] and lost == ["full"]
+    assert set(eager["peak_memory_MiB"]) == set(eager["kept_MiB"]) == {"standard", "block"}
+    assert set(eager["errors"]) == {others} and ILLEGAL in eager["errors"][others]
+
+    def decode_steps(model, batch, z, device, dtype, mode, tokens):
+        calls = []
+
+        def graphed():
+            calls.append(batch)
+            if batch == 8 and len(calls) > 1:
+                lost.append(batch)
+                raise RuntimeError(ILLEGAL)
+
+        return {"eager": lambda: None, "graphed": graphed}
+
+    monkeypatch.setattr(gpu_check, "decode_steps", decode_steps)
+    lost.clear()
+    decode = gpu_check.part_decode(gpu_check.SMOKE, lenient, {"standard": torch.nn.Linear(2, 2)}, "cpu")
+    assert set(decode) == {"b1", "errors"} and set(decode["b1"]) == {"eager", "graphed"}
+    assert set(decode["errors"]) == {"b8 timing standard|eager, standard|graphed"}
+
+
+def test_the_targets_memory_losing_the_device_ends_the_eager_part_there(monkeypatch):
+    """Block's memory losing the device (a sticky fault) left the part going on: the
+    standard model's kept bytes and Full's first run failed next on the dead device, each
+    recorded as if its own fault. The part ends at the loss, recorded as Block's memory's,
+    the rows before it kept."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    lost = _losing_the_device_at(monkeypatch, gpu_check)
+    _dying_train_steps(monkeypatch, gpu_check, lost, lambda name, calls: False)
+    measured = []
+
+    def peak_memory(step, device):
+        measured.append(step)
+        if len(measured) == 2:  # (Block's, after the standard model's)
+            lost.append("block")
+        if lost:
+            raise RuntimeError(ILLEGAL)
+        return 1
+
+    def kept_bytes(forward, device):
+        if lost:
+            raise RuntimeError(ILLEGAL)
+        return 1
+
+    monkeypatch.setattr(gpu_check, "peak_memory", peak_memory)
+    monkeypatch.setattr(gpu_check, "kept_bytes", kept_bytes)
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    eager = gpu_check.part_train(gpu_check.SMOKE, gpu_check.Clock("cpu", strict=False), models, "cpu",
+                                 compiled=False, paired=True)
+    assert list(eager["ms"]) == ["standard", "block"] and list(eager["peak_memory_MiB"]) == ["standard"]
+    assert set(eager["errors"]) == {"peak_memory block"} and ILLEGAL in eager["errors"]["peak_memory block"]
+
