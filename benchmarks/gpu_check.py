@@ -56,8 +56,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    of the prepared command measures every target: on the H200 it took 221 s, 208 of them inductor compiling three
    models (benchmarks/results/gpu-h200/log.txt). With less than its 230 s left but at least
    174 (``COMPILED_WITHOUT_FULL_S``), it compiles the standard model and Block only (Full has no target; named in
-   ``skipped``). Then one compiled step each of the standard model and Block under
-   ``torch.profiler``: where its device time goes (``device_busy_compiled`` in the summary).
+   ``skipped``). The standard model and Block are compiled, timed and profiled (one compiled
+   step each under ``torch.profiler``: where its device time goes, ``device_busy_compiled`` in
+   the summary) before Full's compile; Full is then timed beside the compiled standard model.
 6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
@@ -1034,17 +1035,37 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
             forwards[SUMS_BF16] = with_option(forwards["block"], models["block"], "autocast_phase1_sums")
     if not compiled:
         return eager_rows(z, clock, models, device, steps, forwards)
+    return compiled_rows(z, clock, models, device, steps)
+
+
+def compiled_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict) -> dict:
+    """The compiled part's rows: the targets' steps (:func:`targets_first`) compiled
+    (:func:`compile_within`), timed and profiled before Full's compile, then Full's, timed
+    beside the standard model again (:func:`timed_beside`). Full's compile or timing that
+    loses the device ends the part with the targets' rows, the failure recorded: until
+    2026-12-07 the three models compiled before any timing, and such a fault lost minutes of
+    compiling and the training target's compiled ratio with them."""
     errors: dict = {}
-    result = {"errors": errors}
-    start = time.perf_counter()
-    # (each model's first step compiles it: minutes, so each within the deadline)
-    steps, result["compile_s"], result["dropped"] = compile_within(steps, clock, errors)
-    zero_grads(models)
-    result["warm_up_s"] = time.perf_counter() - start
-    result["ms"] = {k: t * 1e3 for k, t in clock.interleaved(steps, z.repeats).items()}
-    # (where a compiled step's device time goes: one more step each, already compiled)
-    result["profile"] = attempt(clock, errors, "profile", lambda: {
-        name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}, {})
+    result = {"errors": errors, "compile_s": {}, "dropped": {}, "warm_up_s": 0.0, "ms": {}, "profile": {}}
+    seconds: dict[str, float] = {}
+    targets, others = targets_first(steps, lambda name: name)
+    try:
+        for group in (targets, others):
+            start = time.perf_counter()
+            # (each model's first step compiles it: minutes, so each within the deadline)
+            group, compile_s, dropped = compile_within(group, clock, errors, result["compile_s"])
+            result["compile_s"].update(compile_s)
+            result["dropped"].update(dropped)
+            zero_grads(models)
+            result["warm_up_s"] += time.perf_counter() - start
+            seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
+                clock, group, targets, seconds, lambda name: "standard", z.repeats)))
+            result["ms"] = {k: t * 1e3 for k, t in seconds.items()}
+            # (where a compiled step's device time goes: one more step each, already compiled)
+            result["profile"].update(kept_unless_lost(clock, errors, "profile", lambda: {
+                name: profiled(group[name], device, PROFILE_TOP) for name in PROFILED if name in group}) or {})
+    except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
+        pass
     return result
 
 
@@ -1150,17 +1171,21 @@ COMPILED_TIMING_S = 20
 COMPILE_MARGIN = 1.2
 
 
-def compile_within(steps: dict, clock: Clock, errors: dict) -> tuple[dict, dict[str, float], dict[str, str]]:
+def compile_within(steps: dict, clock: Clock, errors: dict, compiled_s: dict[str, float] | None = None,
+                   ) -> tuple[dict, dict[str, float], dict[str, str]]:
     """Run each compiled step once (this compiles it), in order, while the time to the
-    deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far)
-    and the timing after it (:data:`COMPILED_TIMING_S`):
+    deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far,
+    ``compiled_s`` - the compile seconds of the models compiled before - among them) and the
+    timing after it (:data:`COMPILED_TIMING_S`):
     ``(the compiled steps, {model: compile seconds}, {model dropped: why})``. The standard
     model comes first and Block second: a run short of time drops Full AttnRes, which has
     no target, and says so, rather than being cut off by the command's time limit. A model
-    whose compile raises is left out, recorded in ``errors`` (:func:`runnable`)."""
+    whose compile raises is left out, recorded in ``errors``; one that loses the device
+    raises :class:`DeviceLost` (:func:`runnable`)."""
     kept, seconds, dropped = {}, {}, {}
     for name, step in steps.items():
-        need = max([COMPILE_S, *(COMPILE_MARGIN * t for t in seconds.values())]) + COMPILED_TIMING_S
+        slowest = [COMPILE_MARGIN * t for t in (*(compiled_s or {}).values(), *seconds.values())]
+        need = max([COMPILE_S, *slowest]) + COMPILED_TIMING_S
         left = clock.left()
         if left < need:
             dropped[name] = (f"{left:.0f} s to the deadline, a compile and the timing after it take about {need:.0f} s: "
@@ -1168,7 +1193,7 @@ def compile_within(steps: dict, clock: Clock, errors: dict) -> tuple[dict, dict[
             log(f"[gpu_check]   {name}: {dropped[name]}")
             continue
         start = time.perf_counter()
-        if not runnable(clock, errors, {name: step}):
+        if not runnable(clock, errors, {name: step}, keep_rows=True):
             continue
         seconds[name] = time.perf_counter() - start
         log(f"[gpu_check]   {name} compiled in {seconds[name]:.0f} s")

@@ -1885,10 +1885,71 @@ def _dying_train_steps(monkeypatch, gpu_check, lost: list, losing) -> None:
     monkeypatch.setattr(gpu_check, "train_steps", train_steps)
 
 
+def test_full_losing_the_device_at_its_compile_keeps_the_compiled_targets_rows(monkeypatch):
+    """The compiled part compiled the standard model, Block and Full (each first run
+    unprotected) before any timing: Full's compile losing the device (a sticky fault) lost the
+    minutes of compiling before it and the compiled training target's rows. The standard
+    model and Block are compiled, timed and profiled first, then Full compiled and timed
+    beside the standard model: its loss is recorded, their rows kept."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    lost = _losing_the_device_at(monkeypatch, gpu_check)
+    _dying_train_steps(monkeypatch, gpu_check, lost, lambda name, calls: name == "full")
+    timed = []
+    lenient = gpu_check.Clock("cpu", strict=False)  # (a GPU's clock)
+    interleaved = lenient.interleaved
+    monkeypatch.setattr(lenient, "interleaved", lambda steps, repeats: timed.append(list(steps)) or interleaved(
+        steps, repeats))
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    compiled = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
+    assert timed == [["standard", "block"]] and lost == ["full"]
+    assert list(compiled["ms"]) == list(compiled["compile_s"]) == ["standard", "block"]
+    assert set(compiled["profile"]) == {"standard", "block"}
+    assert set(compiled["errors"]) == {"full"} and ILLEGAL in compiled["errors"]["full"]
+
+
+def test_full_compiled_after_the_targets_timing_is_timed_beside_the_standard_model_within_the_deadline(monkeypatch):
+    """Full's compile, now after the targets' timing, is still held to the deadline with the
+    slowest compile before it (the standard model's, Block's): dropped, and said why, where it
+    no longer fits; compiled and timed beside the standard model where it does."""
+    import gpu_check
+
+    now = [0.0]
+    monkeypatch.setattr(gpu_check, "time", type("T", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(gpu_check, "COMPILE_S", 50)
+    monkeypatch.setattr(gpu_check, "COMPILED_TIMING_S", 20)
+    monkeypatch.setattr(gpu_check, "profiled", lambda step, device, top: {})
+
+    def compiling(name):
+        compiled = []
+
+        def step():
+            if not compiled:
+                compiled.append(name)
+                now[0] += 60
+        return step
+
+    class Clock(gpu_check.Clock):
+        def interleaved(self, steps, repeats):
+            timed.append(list(steps))
+            return {k: 1.0 for k in steps}
+
+    for deadline, full in ((212.0, True), (211.0, False)):
+        now[0], timed = 0.0, []
+        steps = {name: compiling(name) for name in ("standard", "block", "full")}
+        monkeypatch.setattr(gpu_check, "train_steps", lambda *args, **kwargs: steps)
+        result = gpu_check.part_train(gpu_check.SMOKE, Clock("cpu", deadline=deadline), {}, "cpu", compiled=True)
+        assert result["compile_s"] == {"standard": 60, "block": 60, **({"full": 60} if full else {})}
+        assert timed == [["standard", "block"], ["standard", "full"] if full else []]
+        assert list(result["ms"]) == ["standard", "block", *(["full"] if full else [])]
+        assert full != ("full" in result["dropped"]) and not result["errors"]
+
+
 def test_a_step_that_loses_the_device_in_its_timing_rounds_keeps_the_targets_rows(monkeypatch):
     """A step that ran once but lost the device in its timing rounds (not its first run)
-    failed the whole part, with it the targets' rows measured before: the eager part's and
-    decode's earlier batches. The loss is recorded under ``timing`` and
+    failed the whole part, with it the targets' rows measured before: the eager part's, the
+    compiled part's, and decode's earlier batches. The loss is recorded under ``timing`` and
     the steps timed then; the rows before it are kept."""
     pytest.importorskip("triton")
     import gpu_check
@@ -1902,6 +1963,10 @@ def test_a_step_that_loses_the_device_in_its_timing_rounds_keeps_the_targets_row
     assert list(eager["ms"]) == ["standard", "block"] and lost == ["full"]
     assert set(eager["peak_memory_MiB"]) == set(eager["kept_MiB"]) == {"standard", "block"}
     assert set(eager["errors"]) == {others} and ILLEGAL in eager["errors"][others]
+    lost.clear()
+    compiled = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
+    assert list(compiled["ms"]) == ["standard", "block"] and set(compiled["compile_s"]) == {"standard", "block", "full"}
+    assert set(compiled["errors"]) == {"timing full"}
 
     def decode_steps(model, batch, z, device, dtype, mode, tokens):
         calls = []
