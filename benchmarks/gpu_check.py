@@ -56,8 +56,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    of the prepared command measures every target: on the H200 it took 221 s, 208 of them inductor compiling three
    models (benchmarks/results/gpu-h200/log.txt). With less than its 230 s left but at least
    174 (``COMPILED_WITHOUT_FULL_S``), it compiles the standard model and Block only (Full has no target; named in
-   ``skipped``). Then one compiled step each of the standard model and Block under
-   ``torch.profiler``: where its device time goes (``device_busy_compiled`` in the summary).
+   ``skipped``). The standard model and Block are compiled, timed and profiled (one compiled
+   step each under ``torch.profiler``: where its device time goes, ``device_busy_compiled`` in
+   the summary) before Full's compile; Full is then timed beside the compiled standard model.
 6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
@@ -88,8 +89,9 @@ it ``running``: a run killed by its time limit says where. A part's optional pie
 profiles, host time) that fail are recorded as ``part.piece`` in ``errors``, its timings
 kept, and so is a step that fails its first run (an option's, a graph's capture, a model's
 compile: :func:`runnable`), the part's other steps timed; the compiled part compiles each
-model only while one more compile fits the budget. Where such a step loses the device, the
-sweep and the decode part keep what they measured before it (the settings, the batches).
+model only while one more compile fits the budget. Where such a step loses the device - at
+its first run, in its timing rounds, or a target's memory - the parts keep what they measured
+before it (the targets' rows, the sweep's settings, decode's batches) and end there.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -244,6 +246,18 @@ def attempt(clock: Clock, errors: dict, name: str, fn, default=None):
             raise
         record(errors, name, e)
         return default
+
+
+def kept_unless_lost(clock: Clock, errors: dict, name: str, fn):
+    """:func:`attempt` of ``fn`` (``None`` where it failed, recorded as ``errors[name]``),
+    raising :class:`DeviceLost` where the failure left the device unusable: a part that
+    measures in groups - the targets', then the others'; decode's batches - keeps the rows
+    measured before (its timing rounds, its memory), and every later step's failure on the
+    dead device is not recorded as that step's own."""
+    value = attempt(clock, errors, name, fn)
+    if value is None and not device_usable("cuda" if clock.cuda else "cpu"):
+        raise DeviceLost(name)
+    return value
 
 
 def record(errors: dict, name: str, e: Exception) -> None:
@@ -1021,17 +1035,37 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
             forwards[SUMS_BF16] = with_option(forwards["block"], models["block"], "autocast_phase1_sums")
     if not compiled:
         return eager_rows(z, clock, models, device, steps, forwards)
+    return compiled_rows(z, clock, models, device, steps)
+
+
+def compiled_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict) -> dict:
+    """The compiled part's rows: the targets' steps (:func:`targets_first`) compiled
+    (:func:`compile_within`), timed and profiled before Full's compile, then Full's, timed
+    beside the standard model again (:func:`timed_beside`). Full's compile or timing that
+    loses the device ends the part with the targets' rows, the failure recorded: until
+    2026-12-07 the three models compiled before any timing, and such a fault lost minutes of
+    compiling and the training target's compiled ratio with them."""
     errors: dict = {}
-    result = {"errors": errors}
-    start = time.perf_counter()
-    # (each model's first step compiles it: minutes, so each within the deadline)
-    steps, result["compile_s"], result["dropped"] = compile_within(steps, clock, errors)
-    zero_grads(models)
-    result["warm_up_s"] = time.perf_counter() - start
-    result["ms"] = {k: t * 1e3 for k, t in clock.interleaved(steps, z.repeats).items()}
-    # (where a compiled step's device time goes: one more step each, already compiled)
-    result["profile"] = attempt(clock, errors, "profile", lambda: {
-        name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}, {})
+    result = {"errors": errors, "compile_s": {}, "dropped": {}, "warm_up_s": 0.0, "ms": {}, "profile": {}}
+    seconds: dict[str, float] = {}
+    targets, others = targets_first(steps, lambda name: name)
+    try:
+        for group in (targets, others):
+            start = time.perf_counter()
+            # (each model's first step compiles it: minutes, so each within the deadline)
+            group, compile_s, dropped = compile_within(group, clock, errors, result["compile_s"])
+            result["compile_s"].update(compile_s)
+            result["dropped"].update(dropped)
+            zero_grads(models)
+            result["warm_up_s"] += time.perf_counter() - start
+            seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
+                clock, group, targets, seconds, lambda name: "standard", z.repeats)))
+            result["ms"] = {k: t * 1e3 for k, t in seconds.items()}
+            # (where a compiled step's device time goes: one more step each, already compiled)
+            result["profile"].update(kept_unless_lost(clock, errors, "profile", lambda: {
+                name: profiled(group[name], device, PROFILE_TOP) for name in PROFILED if name in group}) or {})
+    except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
+        pass
     return result
 
 
@@ -1044,8 +1078,9 @@ def zero_grads(models: dict) -> None:
 def eager_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict, forwards: dict) -> dict:
     """The eager part's rows: the targets' steps (:func:`targets_first`) run once, timed and
     their memory measured before any other step's first run, then the others', each timed
-    beside the standard model again (:func:`timed_beside`). An option's step that loses the
-    device at its first run ends the part with the targets' rows, the failure recorded."""
+    beside the standard model again (:func:`timed_beside`). A step that loses the device - an
+    option's at its first run or in its rounds (:func:`timed_rounds`), a step's memory
+    (:func:`each`) - ends the part with the rows measured before, the failure recorded."""
     errors: dict = {}
     result = {"errors": errors, "warm_up_s": 0.0, "ms": {}, "peak_memory_MiB": {}, "kept_MiB": {}}
     seconds: dict[str, float] = {}
@@ -1056,14 +1091,15 @@ def eager_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict, f
             group = runnable(clock, errors, group, keep_rows=True)
             zero_grads(models)
             result["warm_up_s"] += time.perf_counter() - start
-            seconds.update(timed_beside(clock, group, targets, seconds, lambda name: "standard", z.repeats))
+            seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
+                clock, group, targets, seconds, lambda name: "standard", z.repeats)))
             result["ms"] = {k: t * 1e3 for k, t in seconds.items()}
-            result["peak_memory_MiB"].update(each(clock, errors, "peak_memory",
-                                                  lambda s: peak_memory(s, device) / 2**20, group))
+            each(clock, errors, "peak_memory", lambda s: peak_memory(s, device) / 2**20, group,
+                 result["peak_memory_MiB"])
             # (what autograd keeps from the forward, apart from the backward's transients: the
             # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
-            result["kept_MiB"].update(each(clock, errors, "kept", lambda f: kept_bytes(f, device) / 2**20,
-                                           {k: forwards[k] for k in group}))
+            each(clock, errors, "kept", lambda f: kept_bytes(f, device) / 2**20, {k: forwards[k] for k in group},
+                 result["kept_MiB"])
     except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
         pass
     return result
@@ -1098,24 +1134,32 @@ def timed_beside(clock: Clock, steps: dict, references: dict, reference_s: dict[
     return {k: rounds[k] * scale.get(reference_of(k), 1.0) for k in steps}
 
 
-def each(clock: Clock, errors: dict, piece: str, fn, items: dict) -> dict:
-    """``{name: fn(item)}`` over ``items`` in order, each an :func:`attempt` of its own (a
+def timed_rounds(clock: Clock, errors: dict, steps: dict, timing, prefix: str = "") -> dict[str, float]:
+    """``timing()`` - the timing rounds of ``steps`` - or, where it fails (a step failing after
+    its first run), no rows, the failure recorded as ``errors[prefix + "timing " + the steps]``;
+    :class:`DeviceLost` where it left the device unusable (:func:`kept_unless_lost`): the part
+    keeps the rows measured before - the targets' where an option's step lost the device in
+    its rounds (until 2026-12-07 the part failed, and decode lost its earlier batches)."""
+    return kept_unless_lost(clock, errors, f"{prefix}timing {', '.join(steps)}", timing) or {}
+
+
+def each(clock: Clock, errors: dict, piece: str, fn, items: dict, into: dict) -> None:
+    """``into[name] = fn(item)`` over ``items`` in order, each an :func:`attempt` of its own (a
     failure recorded as ``errors[piece + " " + name]``, its row left out): a diagnostic
     step's failure - Full's or an option's memory, out of memory - keeps the standard
     model's and Block's rows, the memory target's (one attempt over all of them lost every
-    row). Ends at a failure that left the device unusable (each row after it would fail)."""
-    device, out, failed = "cuda" if clock.cuda else "cpu", {}, False
+    row). A failure that left the device unusable raises :class:`DeviceLost`
+    (:func:`kept_unless_lost`), the rows before it in ``into``: until 2026-12-07 the part went
+    on, and the next step's first run, on the dead device, was recorded as that step's fault."""
+    failed = False
     for name, item in items.items():
-        value = attempt(clock, errors, f"{piece} {name}", lambda item=item: fn(item))
+        value = kept_unless_lost(clock, errors, f"{piece} {name}", lambda item=item: fn(item))
         if value is None:
             failed = True
-            if not device_usable(device):
-                break
         else:
-            out[name] = value
+            into[name] = value
     if failed:  # (the failures' tracebacks held their tensors: an out-of-memory step's)
-        release_memory(device)
-    return out
+        release_memory("cuda" if clock.cuda else "cpu")
 
 
 #: Seconds to compile one model's training step (inductor, a cold cache: the H200 took 208 s
@@ -1127,17 +1171,21 @@ COMPILED_TIMING_S = 20
 COMPILE_MARGIN = 1.2
 
 
-def compile_within(steps: dict, clock: Clock, errors: dict) -> tuple[dict, dict[str, float], dict[str, str]]:
+def compile_within(steps: dict, clock: Clock, errors: dict, compiled_s: dict[str, float] | None = None,
+                   ) -> tuple[dict, dict[str, float], dict[str, str]]:
     """Run each compiled step once (this compiles it), in order, while the time to the
-    deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far)
-    and the timing after it (:data:`COMPILED_TIMING_S`):
+    deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far,
+    ``compiled_s`` - the compile seconds of the models compiled before - among them) and the
+    timing after it (:data:`COMPILED_TIMING_S`):
     ``(the compiled steps, {model: compile seconds}, {model dropped: why})``. The standard
     model comes first and Block second: a run short of time drops Full AttnRes, which has
     no target, and says so, rather than being cut off by the command's time limit. A model
-    whose compile raises is left out, recorded in ``errors`` (:func:`runnable`)."""
+    whose compile raises is left out, recorded in ``errors``; one that loses the device
+    raises :class:`DeviceLost` (:func:`runnable`)."""
     kept, seconds, dropped = {}, {}, {}
     for name, step in steps.items():
-        need = max([COMPILE_S, *(COMPILE_MARGIN * t for t in seconds.values())]) + COMPILED_TIMING_S
+        slowest = [COMPILE_MARGIN * t for t in (*(compiled_s or {}).values(), *seconds.values())]
+        need = max([COMPILE_S, *slowest]) + COMPILED_TIMING_S
         left = clock.left()
         if left < need:
             dropped[name] = (f"{left:.0f} s to the deadline, a compile and the timing after it take about {need:.0f} s: "
@@ -1145,7 +1193,7 @@ def compile_within(steps: dict, clock: Clock, errors: dict) -> tuple[dict, dict[
             log(f"[gpu_check]   {name}: {dropped[name]}")
             continue
         start = time.perf_counter()
-        if not runnable(clock, errors, {name: step}):
+        if not runnable(clock, errors, {name: step}, keep_rows=True):
             continue
         seconds[name] = time.perf_counter() - start
         log(f"[gpu_check]   {name} compiled in {seconds[name]:.0f} s")
@@ -1328,17 +1376,18 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
 def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: int) -> tuple[dict[str, float], bool]:
     """Seconds per step of one batch's decode ``steps`` (``name|mode``), the targets' first
     (:func:`targets_first`), the others each timed beside the standard model's step of its
-    mode (:func:`timed_beside`); and whether a first run lost the device. Each step's cache is
+    mode (:func:`timed_beside`); and whether a step lost the device. Each step's cache is
     made, its graph captured, at its first run: one that fails is recorded, the others timed;
-    one that loses the device ends the part with the rows measured before it - the batch's
-    targets' where an option's step lost it (:class:`DeviceLost`)."""
+    one that loses the device, there or in the timing rounds (:func:`timed_rounds`), ends the
+    part with the rows measured before it - the batch's targets' where an option's step lost
+    it (:class:`DeviceLost`), the earlier batches'."""
     seconds: dict[str, float] = {}
     targets, others = targets_first(steps, lambda key: key.split("|")[0])
     try:
         for group in (targets, others):
             group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
-            seconds.update(timed_beside(clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1],
-                                        repeats))
+            seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
+                clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1], repeats), prefix))
     except DeviceLost:
         return seconds, True
     return seconds, False
@@ -2018,8 +2067,13 @@ def parse_args(argv=None):
 TARGET_PARTS = ("parity", "train_eager", "decode", "ops", "train_compiled")
 #: The least time each part needs (s, on an H100): a part is skipped when less remains, so
 #: that a run's time limit does not cut it off midway (the compiled part: 221 s on the H200,
-#: 208 of them inductor compiling three models).
-MIN_SECONDS = {"parity": 5, "profile": 15, "profile_decode": 10, "ops": 15, "sweep": 10, "train_eager": 40,
+#: 208 of them inductor compiling three models; the eager part: its 128 steps and 9 forwards -
+#: the targets' rounds, the seven other steps' first runs and rounds beside the standard model,
+#: each step's memory - at the H200's 230 / 266 / 586 ms a step of the standard model, Block
+#: and Full, with that run's 6 s of first-step overhead, 43 s (benchmarks/results/gpu-h200),
+#: 47 s at the H100's slower standard step; until 2026-12-07 40, set for three models' steps
+#: timed together: tests/test_gpu_check.py::test_the_eager_parts_least_time_covers_its_steps_at_the_measured_step_times).
+MIN_SECONDS = {"parity": 5, "profile": 15, "profile_decode": 10, "ops": 15, "sweep": 10, "train_eager": 48,
                "decode": 20, "train_compiled": 230, "train_bf16": 30}
 #: The compiled part without Full AttnRes (which has no target): two models to compile - run so
 #: when the whole part no longer fits but this does. As :func:`compile_within` counts: the
