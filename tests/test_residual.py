@@ -711,6 +711,22 @@ def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_doe
     assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
 
 
+def test_a_variants_from_config_refuses_a_config_of_another_kind():
+    """``BlockAttnRes.from_config(ResidualConfig(kind="attnres_full"), d, L)`` built a Block
+    AttnRes and ignored the kind (Full's of an ``attnres_block`` config a Full, a baseline's of
+    any config itself): each built-in variant's refuses another kind, naming it and
+    ``build_residual``; its own kind builds as before."""
+    from attnres.nn.residual.baselines import MHCLite
+
+    for cls, kind in [(BlockAttnRes, "attnres_full"), (FullAttnRes, "attnres_block"), (StandardResidual, "highway"),
+                      (residual_class("highway"), "standard"), (residual_class("mhc"), "hyper_connections"),
+                      (MHCLite, "mhc"), (residual_class("hyper_connections"), "mhc_lite")]:
+        with pytest.raises(ValueError, match=rf"{cls.__qualname__}.from_config builds residual '{cls.name}'; the "
+                                             rf"config's kind is '{kind}' .*build_residual\(config, dim, n_sublayers"):
+            cls.from_config(ResidualConfig(kind=kind, block_size=2), 8, 4)
+        assert type(cls.from_config(ResidualConfig(kind=cls.name, block_size=2), 8, 4)) is cls
+
+
 def test_a_state_dict_of_another_residual_with_the_same_names_is_refused_by_load_state_dict(tmp_path):
     """Full and Block AttnRes, and Block AttnRes at two block sizes, hold weights of the same names
     and shapes: a model of one's own that saved one with ``torch.save(model.state_dict())`` loaded

@@ -14,6 +14,7 @@ from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig
+from .kinds import refuse_other_kind
 from .registry import register_residual
 
 __all__ = ["BlockAttnRes", "BlockNaiveState", "BlockTwoPhaseState"]
@@ -224,6 +225,7 @@ class BlockAttnRes(AttnResBase):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, schedule=config.schedule,
                    ablation=config.ablation, backend=config.backend,
                    recompute_phase1=config.recompute_phase1, warn_single_block=False)

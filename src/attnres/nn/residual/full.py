@@ -12,6 +12,7 @@ from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig, default_full_group_size
+from .kinds import refuse_other_kind
 from .registry import register_residual
 
 __all__ = ["FullAttnRes", "FullNaiveState", "FullTwoPhaseState"]
@@ -148,6 +149,7 @@ class FullAttnRes(AttnResBase):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> FullAttnRes:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers, eps=config.eps, schedule=config.schedule, group_size=config.full_group_size,
                    ablation=config.ablation, backend=config.backend,
                    recompute_phase1=config.recompute_phase1)
