@@ -376,6 +376,20 @@ def test_module_arguments_of_the_wrong_type_are_refused_naming_them():
     assert FullAttnRes(4, 9).group_size == 3 and RMSNorm(4, 0.0).eps == 0.0
 
 
+def test_a_full_group_size_above_the_depth_is_one_group_of_all_sublayers():
+    """``FullAttnRes(d, 4, group_size=10)`` was kept as 10 (its repr, and the first group a
+    caller reads from ``group_size``) though it runs one group of the 4 sublayers: it is
+    ``group_size=4``, the same function, as a config's ``full_group_size`` of 10 builds it.
+    Below 1 it is refused (test_module_arguments_of_the_wrong_type_are_refused_naming_them)."""
+    wide, exact = FullAttnRes(8, 4, group_size=10), FullAttnRes(8, 4, group_size=4)
+    assert wide.group_size == 4 and "group_size=4" in repr(wide)
+    assert build_residual({"kind": "attnres_full", "full_group_size": 10}, 8, 4).group_size == 4
+    exact.load_state_dict(wide.state_dict())
+    emb = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    sublayers = ToySublayers(8, 4, 0)
+    assert torch.equal(run(wide, sublayers, emb)[0], run(exact, sublayers, emb)[0])
+
+
 @pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4),
                                   lambda: BlockAttnRes(8, 4, 2, schedule="naive"),
                                   lambda: FullAttnRes(8, 4, backend="reference")])
