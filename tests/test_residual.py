@@ -458,6 +458,19 @@ def test_torch_func_transforms_of_a_forward_run_with_the_default_backend(kind):
         assert_rel_close(g, e, GRAD_TOL[torch.float64], name)
 
 
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_a_vmap_over_a_forward_warns_of_no_missing_batching_rule(kind):
+    """A ``vmap`` over a model with AttnRes warned "There is a performance drop because we
+    have not yet implemented the batching rule for aten::addcmul_" (the reference's weighted
+    sum added in place): under a transform it adds out of place, the same values."""
+    from torch.func import vmap
+
+    fast, _, sublayers = make_pair(kind, 6, 5, S=2, group=2)
+    emb = torch.randn(4, 3, 6, dtype=torch.float64)
+    said = _warnings_of(lambda: vmap(lambda x: run(fast, sublayers, x)[0])(emb))
+    assert [m for m in said if "batching rule" in m] == []
+
+
 @pytest.mark.parametrize("kind, backend", [("block", "auto"), ("block", "torch"), ("full", "auto")])
 def test_a_loss_on_the_recorded_depth_weights_has_the_naive_references_gradient(kind, backend):
     """The operators' merge weights are not differentiable: a loss on the recorded depth
