@@ -158,6 +158,24 @@ def _partial(state: BlockNaiveState | BlockTwoPhaseState) -> list[Tensor]:
     return [] if state.partial is None else [state.partial]
 
 
+#: The attribute a ``ResidualConfig`` holds once warned of a single block: the
+#: ``(block_size, n_sublayers)`` it was warned of.
+_SAID_SINGLE_BLOCK = "_attnres_single_block_said"
+
+
+def _warn_single_block_once(config: ResidualConfig, n_sublayers: int) -> None:
+    """:func:`_warn_single_block` of ``config``, once per config object and depth: a config is
+    checked again by what takes it (``AttnResLM(config)``, ``TrainConfig(model=config)``, the
+    train loop), which repeated the warning of the statement that made it. The mark is kept
+    on the object (a copy keeps it, as ``AttnResLM`` takes one); another block size or depth
+    is warned again."""
+    said = (config.block_size, n_sublayers)
+    if vars(config).get(_SAID_SINGLE_BLOCK) == said:  # (vars: ResidualConfig.__getattr__ answers renamed fields)
+        return
+    _warn_single_block(*said)
+    vars(config)[_SAID_SINGLE_BLOCK] = said  # (after it: a warning raised as an error is raised again)
+
+
 def _warn_single_block(block_size: int | None, n_sublayers: int, built: bool = False) -> None:
     """Warn when a given ``block_size`` cuts the model's ``n_sublayers`` into a single block
     (report §3.2: ``S >= L``). Defined, so not refused, but Block AttnRes is then another thing
@@ -236,7 +254,7 @@ class BlockAttnRes(AttnResBase):
         if config.ablation.window is not None:
             raise ValueError("ModelConfig.residual.ablation.window must be None unless residual.kind='attnres_full' "
                              f"(the sliding window ablates Full AttnRes); got {config.ablation.window!r}")
-        _warn_single_block(config.block_size, n_sublayers)
+        _warn_single_block_once(config, n_sublayers)
 
     @classmethod
     def _layout_words(cls, config: ResidualConfig, n_sublayers: int) -> list[str]:
