@@ -376,6 +376,20 @@ def test_module_arguments_of_the_wrong_type_are_refused_naming_them():
     assert FullAttnRes(4, 9).group_size == 3 and RMSNorm(4, 0.0).eps == 0.0
 
 
+def test_a_full_group_size_above_the_depth_is_one_group_of_all_sublayers():
+    """``FullAttnRes(d, 4, group_size=10)`` was kept as 10 (its repr, and the first group a
+    caller reads from ``group_size``) though it runs one group of the 4 sublayers: it is
+    ``group_size=4``, the same function, as a config's ``full_group_size`` of 10 builds it.
+    Below 1 it is refused (test_module_arguments_of_the_wrong_type_are_refused_naming_them)."""
+    wide, exact = FullAttnRes(8, 4, group_size=10), FullAttnRes(8, 4, group_size=4)
+    assert wide.group_size == 4 and "group_size=4" in repr(wide)
+    assert build_residual({"kind": "attnres_full", "full_group_size": 10}, 8, 4).group_size == 4
+    exact.load_state_dict(wide.state_dict())
+    emb = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    sublayers = ToySublayers(8, 4, 0)
+    assert torch.equal(run(wide, sublayers, emb)[0], run(exact, sublayers, emb)[0])
+
+
 @pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4),
                                   lambda: BlockAttnRes(8, 4, 2, schedule="naive"),
                                   lambda: FullAttnRes(8, 4, backend="reference")])
@@ -442,6 +456,19 @@ def test_torch_func_transforms_of_a_forward_run_with_the_default_backend(kind):
     expected = torch.autograd.grad(batched.square().sum(), list(params.values()))
     for (name, g), e in zip(grads.items(), expected):
         assert_rel_close(g, e, GRAD_TOL[torch.float64], name)
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_a_vmap_over_a_forward_warns_of_no_missing_batching_rule(kind):
+    """A ``vmap`` over a model with AttnRes warned "There is a performance drop because we
+    have not yet implemented the batching rule for aten::addcmul_" (the reference's weighted
+    sum added in place): under a transform it adds out of place, the same values."""
+    from torch.func import vmap
+
+    fast, _, sublayers = make_pair(kind, 6, 5, S=2, group=2)
+    emb = torch.randn(4, 3, 6, dtype=torch.float64)
+    said = _warnings_of(lambda: vmap(lambda x: run(fast, sublayers, x)[0])(emb))
+    assert [m for m in said if "batching rule" in m] == []
 
 
 @pytest.mark.parametrize("kind, backend", [("block", "auto"), ("block", "torch"), ("full", "auto")])
@@ -709,6 +736,22 @@ def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_doe
         build_residual("attnres_blok", 8, 4)
     said = _warnings_of(lambda: build_residual({"kind": "attnres_block", "block_size": 8}, 8, 4))
     assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
+
+
+def test_a_variants_from_config_refuses_a_config_of_another_kind():
+    """``BlockAttnRes.from_config(ResidualConfig(kind="attnres_full"), d, L)`` built a Block
+    AttnRes and ignored the kind (Full's of an ``attnres_block`` config a Full, a baseline's of
+    any config itself): each built-in variant's refuses another kind, naming it and
+    ``build_residual``; its own kind builds as before."""
+    from attnres.nn.residual.baselines import MHCLite
+
+    for cls, kind in [(BlockAttnRes, "attnres_full"), (FullAttnRes, "attnres_block"), (StandardResidual, "highway"),
+                      (residual_class("highway"), "standard"), (residual_class("mhc"), "hyper_connections"),
+                      (MHCLite, "mhc"), (residual_class("hyper_connections"), "mhc_lite")]:
+        with pytest.raises(ValueError, match=rf"{cls.__qualname__}.from_config builds residual '{cls.name}'; the "
+                                             rf"config's kind is '{kind}' .*build_residual\(config, dim, n_sublayers"):
+            cls.from_config(ResidualConfig(kind=kind, block_size=2), 8, 4)
+        assert type(cls.from_config(ResidualConfig(kind=cls.name, block_size=2), 8, 4)) is cls
 
 
 @pytest.mark.parametrize("n_sublayers, block_size, warns", [(8, 7, False), (8, 8, True), (4, 100, True), (1, 1, False)])

@@ -1100,6 +1100,33 @@ def test_a_resume_without_a_config_file_checks_a_residual_field_against_the_runs
     assert said() == []
 
 
+def test_a_single_block_config_is_warned_of_once_by_the_statement_that_makes_it(tmp_path, corpus_file):
+    """``ModelConfig(..., block_size=8)`` of 4 sublayers warned of its single block, and again
+    at ``AttnResLM(config)``, ``TrainConfig(model=config)`` and three times in ``train`` (each
+    checks the config again): one statement, one warning. Another block size is another
+    statement's, warned of."""
+    from attnres.train import DataConfig
+
+    def single(call) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        return [str(w.message) for w in caught if "single block" in str(w.message)]
+
+    made = []
+    assert len(single(lambda: made.append(ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
+                                                      residual={"kind": "attnres_block", "block_size": 8})))) == 1
+    model = made[0]
+    assert single(lambda: AttnResLM(model)) == []
+    data = DataConfig(paths=[str(corpus_file)], tokenizer="byte")
+    assert single(lambda: made.append(TrainConfig(
+        model=model, data=data, seq_len=16, batch_size=2, steps=1, warmup_steps=0, eval_every=100, checkpoint_every=100,
+        out_dir=str(tmp_path / "run"), progress=False, tensorboard=False))) == []
+    assert single(lambda: train(made[-1])) == []
+    model.residual.block_size = 16
+    assert len(single(lambda: AttnResLM(model))) == 1
+
+
 def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults(tmp_path, corpus_file):
     """`attnres train --resume model.residual.block_size=4` without a config file on a run of 4
     layers (8 sublayers) warned that 4 "is at least the model's 4 sublayers": the overrides were

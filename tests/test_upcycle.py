@@ -1949,3 +1949,18 @@ def test_upcycling_doc_lists_every_refused_family():
     doc = (Path(__file__).parents[1] / "docs" / "upcycling.md").read_text()
     table = doc.split("## Refused families", 1)[1].split("\n\n")[2]
     assert [row.split("|")[1].strip() for row in table.splitlines()[2:]] == list(REFUSED)
+
+
+def test_upcycle_docstring_names_residual_fields_of_this_version():
+    """upcycle's docstring suggested the settings ``impl`` and ``kernels``, renamed
+    ``schedule`` and ``backend`` (upcycle(..., impl="naive") warns DeprecationWarning): every
+    ``ResidualConfig`` field it names is a field."""
+    import dataclasses
+
+    from attnres.migrations import RESIDUAL_RENAMES
+    from attnres.nn.residual import ResidualConfig
+
+    listed = re.search(r"set ``ResidualConfig`` fields \((.*?)\)", " ".join(upcycle.__doc__.split()))[1]
+    named = re.findall(r"``(\w+)``", listed)
+    assert named and not set(named) & set(RESIDUAL_RENAMES)
+    assert set(named) <= {f.name for f in dataclasses.fields(ResidualConfig)}

@@ -30,8 +30,8 @@ def upcycle(
     and experts) modules.
 
     ``residual``: the variant (a registered name, a mapping of ``ResidualConfig`` fields or
-    one); ``block_size`` and ``settings`` set ``ResidualConfig`` fields (``impl``,
-    ``kernels``, ...). The residual starts at its faithful init - zero pseudo-queries, unit
+    one); ``block_size`` and ``settings`` set ``ResidualConfig`` fields (``schedule``,
+    ``backend``, ...). The residual starts at its faithful init - zero pseudo-queries, unit
     key-norm gains - where Full and Block AttnRes average each mixer's sources uniformly;
     with ``exact_eps`` every pre-norm and the final norm get ``eps / n^2`` for their ``n``
     sources, which makes the result the pretrained function up to rounding

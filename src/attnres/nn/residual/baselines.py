@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from ...ops import compute_dtype
 from .base import ResidualState, ResidualStream
 from .config import ResidualConfig
+from .kinds import refuse_other_kind
 from .mixing import MIXING_DTYPE, MixingMatrix, carry_products, scaled_columns, stream_products
 from .registry import register_residual
 from .standard import SingleStreamResidual, StreamState
@@ -86,6 +87,7 @@ class _Builtin:
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers)
 
 
@@ -317,6 +319,7 @@ class _MultiStream(_Builtin, ResidualStream):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> _MultiStream:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers, config.hc_streams)
 
     def _start(self, embedding: Tensor, common: dict[str, Any]) -> MultiStreamState:
@@ -428,6 +431,7 @@ class MHC(_MultiStream):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> MHC:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers, config.hc_streams, sinkhorn_iters=config.sinkhorn_iters)
 
     def _n_res_logits(self) -> int:
@@ -485,6 +489,7 @@ class MHCLite(MHC):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> MHCLite:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers, config.hc_streams)
 
     @classmethod

@@ -14,6 +14,7 @@ from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig
+from .kinds import refuse_other_kind
 from .registry import register_residual
 
 __all__ = ["BlockAttnRes", "BlockNaiveState", "BlockTwoPhaseState"]
@@ -157,6 +158,24 @@ def _partial(state: BlockNaiveState | BlockTwoPhaseState) -> list[Tensor]:
     return [] if state.partial is None else [state.partial]
 
 
+#: The attribute a ``ResidualConfig`` holds once warned of a single block: the
+#: ``(block_size, n_sublayers)`` it was warned of.
+_SAID_SINGLE_BLOCK = "_attnres_single_block_said"
+
+
+def _warn_single_block_once(config: ResidualConfig, n_sublayers: int) -> None:
+    """:func:`_warn_single_block` of ``config``, once per config object and depth: a config is
+    checked again by what takes it (``AttnResLM(config)``, ``TrainConfig(model=config)``, the
+    train loop), which repeated the warning of the statement that made it. The mark is kept
+    on the object (a copy keeps it, as ``AttnResLM`` takes one); another block size or depth
+    is warned again."""
+    said = (config.block_size, n_sublayers)
+    if vars(config).get(_SAID_SINGLE_BLOCK) == said:  # (vars: ResidualConfig.__getattr__ answers renamed fields)
+        return
+    _warn_single_block(*said)
+    vars(config)[_SAID_SINGLE_BLOCK] = said  # (after it: a warning raised as an error is raised again)
+
+
 def _warn_single_block(block_size: int | None, n_sublayers: int, built: bool = False) -> None:
     """Warn when a given ``block_size`` cuts the model's ``n_sublayers`` into a single block
     (report §3.2: ``S >= L``). Defined, so not refused, but Block AttnRes is then another thing
@@ -219,6 +238,7 @@ class BlockAttnRes(AttnResBase):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, schedule=config.schedule,
                    ablation=config.ablation, backend=config.backend,
                    recompute_phase1=config.recompute_phase1, warn_single_block=False)
@@ -229,7 +249,7 @@ class BlockAttnRes(AttnResBase):
         if config.ablation.window is not None:
             raise ValueError("ModelConfig.residual.ablation.window must be None unless residual.kind='attnres_full' "
                              f"(the sliding window ablates Full AttnRes); got {config.ablation.window!r}")
-        _warn_single_block(config.block_size, n_sublayers)
+        _warn_single_block_once(config, n_sublayers)
 
     @classmethod
     def _layout_words(cls, config: ResidualConfig, n_sublayers: int) -> list[str]:

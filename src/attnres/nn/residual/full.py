@@ -12,6 +12,7 @@ from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig, default_full_group_size
+from .kinds import refuse_other_kind
 from .registry import register_residual
 
 __all__ = ["FullAttnRes", "FullNaiveState", "FullTwoPhaseState"]
@@ -115,8 +116,10 @@ class FullAttnRes(AttnResBase):
     ``group_size`` is the Appendix-B scheduling group ``S`` of the two-phase path (it does
     not change the function): Phase 1 batches a group's queries over all outputs of earlier
     groups, Phase 2 walks the group's own earlier outputs. ``None`` picks ``round(sqrt(L))``,
-    which minimises the ``(S + N) d`` per-layer I/O of Appendix B. The other arguments are
-    :class:`AttnResBase`'s.
+    which minimises the ``(S + N) d`` per-layer I/O of Appendix B. A ``group_size`` above
+    ``L`` is one group of all ``L`` sublayers, the schedule of ``group_size=L``, and is kept
+    as ``L`` (a config's ``full_group_size`` for a deeper model runs here). The other
+    arguments are :class:`AttnResBase`'s.
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
@@ -136,13 +139,16 @@ class FullAttnRes(AttnResBase):
                              f"got {group_size!r}")
         if group_size is None:
             group_size = default_full_group_size(n_sublayers)
-        self.group_size = group_size
+        # (group_size=10 of 4 sublayers runs one group of 4; its repr and the first group a
+        # caller reads from group_size said 10)
+        self.group_size = min(group_size, n_sublayers)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> FullAttnRes:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers, eps=config.eps, schedule=config.schedule, group_size=config.full_group_size,
                    ablation=config.ablation, backend=config.backend,
                    recompute_phase1=config.recompute_phase1)

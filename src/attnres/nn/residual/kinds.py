@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...validation import did_you_mean
 
-__all__ = ["UnregisteredResidual", "registered_residuals", "residual_class"]
+__all__ = ["UnregisteredResidual", "refuse_other_kind", "registered_residuals", "residual_class"]
 
 #: Each registered name -> its ``ResidualStream`` class (:func:`attnres.register_residual` fills it).
 _REGISTRY: dict[str, type] = {}
@@ -38,3 +38,16 @@ def residual_class(name: str) -> type:
 def registered_residuals() -> tuple[str, ...]:
     """Every registered name, built-in variants first, in registration order."""
     return tuple(_REGISTRY)
+
+
+def refuse_other_kind(cls: type, config) -> None:
+    """Raise ``ValueError`` unless ``config.kind`` is the residual ``cls`` builds: its registered
+    class, or an unregistered subclass of it. ``BlockAttnRes.from_config`` of an
+    ``attnres_full`` config built a Block AttnRes and ignored the kind; the name picks the
+    class in :func:`attnres.nn.residual.build_residual`."""
+    registered = residual_class(config.kind)
+    if cls is registered or (issubclass(cls, registered) and "name" not in vars(cls)):
+        return
+    raise ValueError(f"{cls.__qualname__}.from_config builds residual {cls.name!r}; "
+                     f"the config's kind is {config.kind!r} ({registered.__qualname__}): build_residual(config, dim, "
+                     "n_sublayers) builds the class its kind names")

@@ -17,6 +17,7 @@ from torch import Tensor
 from .base import DepthHistory, HistoryLayout, ResidualState, ResidualStream
 from .config import ResidualConfig
 from .mixing import MixingMatrix, unit_lower_triangular
+from .kinds import refuse_other_kind
 from .registry import register_residual
 
 __all__ = ["StreamState", "SingleStreamResidual", "StandardResidual"]
@@ -84,6 +85,7 @@ class StandardResidual(SingleStreamResidual):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> StandardResidual:
+        refuse_other_kind(cls, config)
         return cls(dim, n_sublayers)
 
     def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:

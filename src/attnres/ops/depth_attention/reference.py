@@ -170,12 +170,18 @@ def weighted_sum(weights: Tensor, sources: Sequence[Tensor]) -> Tensor:
     ``[..., n] -> [..., d]``; the sources may be narrower (a merge's Phase-1 sums).
 
     A chain of fused multiply-adds: each source is read once and no stacked copy of the
-    sources is made (that copy and a batched tiny matmul cost more on CPU)."""
+    sources is made (that copy and a batched tiny matmul cost more on CPU). Under a
+    ``torch.func`` transform the adds are out of place: ``vmap`` has no batching rule for
+    ``addcmul_`` and warned of a performance drop at every vmap over a model."""
     compute = weights.dtype
     w = weights.unsqueeze(-1)
     out = sources[0].to(compute) * w[..., 0, :]
+    in_place = torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active()
     for j in range(1, len(sources)):
-        out.addcmul_(sources[j], w[..., j, :])  # in place: no new buffer per source
+        if in_place:
+            out.addcmul_(sources[j], w[..., j, :])  # no new buffer per source
+        else:
+            out = torch.addcmul(out, sources[j], w[..., j, :])
     return out
 
 
