@@ -1448,6 +1448,31 @@ def test_an_override_of_what_the_variants_set_names_their_values_and_the_way_to_
         check_grid_overrides(get_experiment("scaling", "tiny"), ["steps=5"])
 
 
+def test_an_override_of_a_field_no_run_of_the_grid_reads_is_warned_of(tmp_path):
+    """`attnres compare model.residual.hc_streams=2` trained each of standard, Block and Full
+    AttnRes as if it were not there without a word (the grid builds its runs' configs from
+    mappings, which say nothing; `attnres train` warns of it). Warned once per field, naming
+    the grid's variants; a field some run reads (Full AttnRes' full_group_size) is for it."""
+    import warnings
+
+    out = tmp_path / "grid"
+    out.mkdir()  # (a header of another grid: refused after the runs' configs, before anything trains)
+    (out / "experiment.json").write_text(json.dumps({"experiment": "other", "preset": "tiny", "overrides": []}))
+    overrides = ["model.residual.hc_streams=2", "model.residual.sinkhorn_iters=3", "model.residual.full_group_size=2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="holds a different experiment"):
+            run_experiment(get_experiment("compare", "tiny"), out, [0, 1], overrides, log=lambda s: None)
+    said = [str(w.message) for w in caught if "none of the runs" in str(w.message)]
+    assert said == [
+        "override model.residual.hc_streams=2 is read only by hyper_connections, mhc and mhc_lite, none of the runs "
+        "of the 'compare' grid (standard, attnres_block, attnres_full): each trains the same model whatever it holds, "
+        "so it is not used (leave it out)",
+        "override model.residual.sinkhorn_iters=3 is read only by mhc, none of the runs of the 'compare' grid "
+        "(standard, attnres_block, attnres_full): each trains the same model whatever it holds, so it is not used "
+        "(leave it out)"]
+
+
 @pytest.mark.parametrize("override", ["resume=true", "resume_from=elsewhere/run"])
 def test_resume_overrides_are_refused_before_the_grid_is_written(tmp_path, override, capsys):
     """`attnres compare --out X resume=true` wrote the grid's header, then its first run was
