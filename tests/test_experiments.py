@@ -1448,6 +1448,22 @@ def test_an_override_of_what_the_variants_set_names_their_values_and_the_way_to_
         check_grid_overrides(get_experiment("scaling", "tiny"), ["steps=5"])
 
 
+def test_an_override_of_what_the_variants_set_is_refused_in_an_earlier_versions_flat_spelling_too():
+    """`attnres compare model.attnres_block_size=4` (the flat key of earlier versions, still
+    read) was not seen as an override of ``model.residual.block_size``, which the grid sets per
+    variant: every run took S = 4, the grid's Block AttnRes trained at S = 4 under its S = 2 name.
+    Refused as the nested spelling is; a flat key of a field the grid leaves alone is taken."""
+    from attnres.experiments.job.runner import check_grid_overrides
+
+    with pytest.raises(ValueError, match=r"^override 'model.attnres_block_size=4' changes model.residual.block_size, "
+                                         r"which the 'compare' grid sets per variant \(block: 2\)"):
+        check_grid_overrides(get_experiment("compare", "tiny"), ["model.attnres_block_size=4"])
+    with pytest.raises(ValueError, match=r"^override 'model.attnres_key_norm=false' changes "
+                                         r"model.residual.ablation.key_norm, which the 'ablation' grid sets per variant"):
+        check_grid_overrides(get_experiment("ablation", "tiny"), ["model.attnres_key_norm=false"])
+    check_grid_overrides(get_experiment("compare", "tiny"), ["model.attnres_eps=1e-5", "model.hc_streams=2"])
+
+
 def test_an_override_of_a_field_no_run_of_the_grid_reads_is_warned_of(tmp_path):
     """`attnres compare model.residual.hc_streams=2` trained each of standard, Block and Full
     AttnRes as if it were not there without a word (the grid builds its runs' configs from

@@ -24,7 +24,7 @@ import torch
 from ...checkpoint.locate import holds_hf_model, newest_state, training_output
 from ...data import corpus_fingerprint, load_corpus, prepare_data
 from ...distributed.launch import training_device
-from ...migrations import stored_config
+from ...migrations import FLAT_RESIDUAL_KEYS, stored_config
 from ...models import AttnResLM, ModelConfig
 from ...models.config import readers_in_words, residual_fields_given
 from ...nn.residual import registered_residuals, residual_class
@@ -94,11 +94,21 @@ def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
                                      "variants with --variants, or train other values as a Variant of your own in "
                                      "Python (docs/experiments.md, \"Grids\")")
     for item in overrides:
-        keys = tuple(parse_override(item)[0])
+        keys = _residual_path(tuple(parse_override(item)[0]))
         for path, owner in set_by_grid.items():
             n = min(len(keys), len(path))
             if keys[:n] == path[:n]:  # the override sets this field, or a section holding it
                 raise ValueError(f"override {item!r} changes {'.'.join(path)}, which {owner}")
+
+
+def _residual_path(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """An override's key path with an earlier version's flat residual key as the field it sets
+    (``model.attnres_block_size`` is ``model.residual.block_size``): spelt so, an override of
+    what the variants set was not seen as one - `attnres compare model.attnres_block_size=4`
+    trained the grid's Block AttnRes at S = 4 under its S = 2 name, and the baselines with it."""
+    if len(keys) >= 2 and keys[0] == "model" and keys[1] in FLAT_RESIDUAL_KEYS:
+        return ("model", "residual", *FLAT_RESIDUAL_KEYS[keys[1]], *keys[2:])
+    return keys
 
 
 def warn_unread_grid_overrides(experiment: Experiment, configs: list[tuple[Variant, int, TrainConfig]],
