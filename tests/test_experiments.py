@@ -1448,6 +1448,47 @@ def test_an_override_of_what_the_variants_set_names_their_values_and_the_way_to_
         check_grid_overrides(get_experiment("scaling", "tiny"), ["steps=5"])
 
 
+def test_an_override_of_what_the_variants_set_is_refused_in_an_earlier_versions_flat_spelling_too():
+    """`attnres compare model.attnres_block_size=4` (the flat key of earlier versions, still
+    read) was not seen as an override of ``model.residual.block_size``, which the grid sets per
+    variant: every run took S = 4, the grid's Block AttnRes trained at S = 4 under its S = 2 name.
+    Refused as the nested spelling is; a flat key of a field the grid leaves alone is taken."""
+    from attnres.experiments.job.runner import check_grid_overrides
+
+    with pytest.raises(ValueError, match=r"^override 'model.attnres_block_size=4' changes model.residual.block_size, "
+                                         r"which the 'compare' grid sets per variant \(block: 2\)"):
+        check_grid_overrides(get_experiment("compare", "tiny"), ["model.attnres_block_size=4"])
+    with pytest.raises(ValueError, match=r"^override 'model.attnres_key_norm=false' changes "
+                                         r"model.residual.ablation.key_norm, which the 'ablation' grid sets per variant"):
+        check_grid_overrides(get_experiment("ablation", "tiny"), ["model.attnres_key_norm=false"])
+    check_grid_overrides(get_experiment("compare", "tiny"), ["model.attnres_eps=1e-5", "model.hc_streams=2"])
+
+
+def test_an_override_of_a_field_no_run_of_the_grid_reads_is_warned_of(tmp_path):
+    """`attnres compare model.residual.hc_streams=2` trained each of standard, Block and Full
+    AttnRes as if it were not there without a word (the grid builds its runs' configs from
+    mappings, which say nothing; `attnres train` warns of it). Warned once per field, naming
+    the grid's variants; a field some run reads (Full AttnRes' full_group_size) is for it."""
+    import warnings
+
+    out = tmp_path / "grid"
+    out.mkdir()  # (a header of another grid: refused after the runs' configs, before anything trains)
+    (out / "experiment.json").write_text(json.dumps({"experiment": "other", "preset": "tiny", "overrides": []}))
+    overrides = ["model.residual.hc_streams=2", "model.residual.sinkhorn_iters=3", "model.residual.full_group_size=2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="holds a different experiment"):
+            run_experiment(get_experiment("compare", "tiny"), out, [0, 1], overrides, log=lambda s: None)
+    said = [str(w.message) for w in caught if "none of the runs" in str(w.message)]
+    assert said == [
+        "override model.residual.hc_streams=2 is read only by hyper_connections, mhc and mhc_lite, none of the runs "
+        "of the 'compare' grid (standard, attnres_block, attnres_full): each trains the same model whatever it holds, "
+        "so it is not used (leave it out)",
+        "override model.residual.sinkhorn_iters=3 is read only by mhc, none of the runs of the 'compare' grid "
+        "(standard, attnres_block, attnres_full): each trains the same model whatever it holds, so it is not used "
+        "(leave it out)"]
+
+
 @pytest.mark.parametrize("override", ["resume=true", "resume_from=elsewhere/run"])
 def test_resume_overrides_are_refused_before_the_grid_is_written(tmp_path, override, capsys):
     """`attnres compare --out X resume=true` wrote the grid's header, then its first run was

@@ -430,6 +430,15 @@ def test_the_rank_takes_lower_triangular_square_matrices_only():
             semiseparable_rank(bad)
 
 
+def test_the_rank_of_an_exact_integer_matrix_is_taken_at_float64s_tolerance():
+    """The default tolerance became the dtype's machine epsilon (``rank_rtol``), and an integer
+    or boolean ``M`` (``torch.ones(n, n, dtype=torch.long).tril()``, the standard residual's,
+    written by hand) failed in ``torch.finfo``, where it had a rank: its entries are exact."""
+    standard = torch.ones(5, 5, dtype=torch.long).tril()
+    assert int(semiseparable_rank(standard)) == int(semiseparable_rank(standard.bool())) == 1
+    assert int(semiseparable_rank(torch.eye(4, dtype=torch.int32))) == 1
+
+
 def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
     """``source_stats`` took ``[N, n, n]`` only: a ``MixingMatrix``'s ``[B, T, n, n]`` (or a
     parameter-only variant's ``[n, n]``) failed "too many (not enough) values to unpack"."""

@@ -107,6 +107,28 @@ def test_the_command_prints_the_packages_warning_once_as_its_own(monkeypatch, ca
                    "/ `make demo` grid); the old name will be removed\n")
 
 
+@pytest.mark.parametrize("given, said", [
+    ("model=demo", "model preset 'demo' is now called 'train-cpu'"),
+    ("model.attnres_block_size=2", "ModelConfig.attnres_block_size is deprecated: use ModelConfig.residual.block_size"),
+])
+def test_the_command_shows_its_deprecations_under_pythons_own_filters(given, said, monkeypatch, capsys):
+    """``attnres train`` holds back the warnings of building its config (a resume without a
+    config file shows the run's own instead) and then shows them: issued anew, without the
+    module that raised them, a ``DeprecationWarning`` of the package fell to Python's default
+    "ignore" (pytest's own filters, which show every one, hid that)."""
+    pytest.importorskip("yaml")
+    from attnres.cli import run
+
+    monkeypatch.setattr(sys, "argv", ["attnres", "train", "--print-config", given])
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # (Python's defaults outside __main__, as the command runs)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        with pytest.raises(SystemExit) as done:
+            run()
+    assert done.value.code == 0
+    assert f"attnres: warning: {said}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("how", ["-c", "stdin"])
 def test_a_warning_for_a_line_of_python_c_or_standard_input_is_shown(how):
     """``python -c`` and a script on standard input (as the interactive interpreter) run in a

@@ -85,7 +85,8 @@ def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
         raise ValueError(f"semiseparable_rank takes lower-triangular mixing matrices [..., n, n] (rows: the sublayers "
                          f"and the output, columns: the sources; a MixingMatrix's weights), got {got}")
     n = M.shape[-1]
-    rtol = rank_rtol(n, M.dtype) if rtol is None else rtol
+    # (integer or boolean entries are exact: float64's tolerance; torch.finfo refused their dtype)
+    rtol = rank_rtol(n, M.dtype if M.is_floating_point() else MIXING_DTYPE) if rtol is None else rtol
     M = M.detach().to(MIXING_DTYPE)
     scale = torch.linalg.matrix_norm(M, ord=2).unsqueeze(-1)  # [..., 1]
     ranks = [(torch.linalg.svdvals(M[..., k:, : k + 1]) > rtol * scale).sum(-1) for k in range(n)]

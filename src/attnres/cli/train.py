@@ -200,11 +200,15 @@ def _configured_held(config_path: str | None, overrides: list[str]) -> tuple:
 
 
 def _show(held: list) -> None:
-    """Issue the warnings ``held`` (``warnings.catch_warnings(record=True)``'s) as they were."""
+    """Show the warnings ``held`` (``warnings.catch_warnings(record=True)``'s) as they would
+    have been shown. They passed the filters when raised, under the module that raised them:
+    issued again (``warn_explicit`` without it), a ``DeprecationWarning`` of the package was
+    filtered as a file path's and hidden by Python's default filters (``model=demo`` and
+    ``model.attnres_block_size=4`` said nothing of their new spellings)."""
     import warnings
 
     for w in held:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 def _default_options_note(residual) -> str | None:

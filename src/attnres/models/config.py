@@ -17,8 +17,8 @@ from ..nn.residual.config import VARIANT_FIELDS, merge_residual
 from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
-__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "residual_fields_given",
-           "warn_unread_residual_fields"]
+__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "readers_in_words",
+           "residual_fields_given", "warn_unread_residual_fields"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
@@ -62,11 +62,16 @@ def warn_unread_residual_fields(given: set[str], config: ModelConfig) -> None:
     and keep the fields a change of variant leaves, as documented."""
     kind = config.residual.kind
     for name in sorted(given - residual_class(kind).reads_fields):
-        readers = [k for k in registered_residuals() if name in residual_class(k).reads_fields]
         warn_user(f"model.residual.{name}={getattr(config.residual, name)!r} is read only by "
-                  f"{_listed(readers, 'and') or 'no registered variant'}: residual.kind {kind!r} builds the same "
-                  f"model whatever it holds, so it is not used (leave it out, or set model.residual.kind to "
-                  f"{_listed(readers, 'or') or 'the variant that reads it'})")
+                  f"{readers_in_words(name, 'and') or 'no registered variant'}: residual.kind {kind!r} builds the "
+                  f"same model whatever it holds, so it is not used (leave it out, or set model.residual.kind to "
+                  f"{readers_in_words(name, 'or') or 'the variant that reads it'})")
+
+
+def readers_in_words(name: str, conjunction: str) -> str:
+    """The registered variants whose class reads residual field ``name`` (``reads_fields``),
+    in words: ``hyper_connections, mhc and mhc_lite`` (``conjunction`` ``"and"``); ``""`` for none."""
+    return _listed([k for k in registered_residuals() if name in residual_class(k).reads_fields], conjunction)
 
 
 def _listed(names: list[str], conjunction: str) -> str:

@@ -24,9 +24,10 @@ import torch
 from ...checkpoint.locate import holds_hf_model, newest_state, training_output
 from ...data import corpus_fingerprint, load_corpus, prepare_data
 from ...distributed.launch import training_device
-from ...migrations import stored_config
+from ...migrations import FLAT_RESIDUAL_KEYS, stored_config
 from ...models import AttnResLM, ModelConfig
-from ...nn.residual import registered_residuals
+from ...models.config import readers_in_words, residual_fields_given
+from ...nn.residual import registered_residuals, residual_class
 from ...output_paths import strict_json, write_text_atomically
 from ...progress import clock
 from ...termination import Terminated
@@ -34,6 +35,7 @@ from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_
 from ...train.config import apply_overrides, flatten, parse_override, sets_vocab_size
 from ...train.resume import DataChanged
 from ...train.metrics import read_metrics
+from ...user_warning import warn_user
 from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .override_paths import absolute_path_overrides
@@ -92,11 +94,39 @@ def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
                                      "variants with --variants, or train other values as a Variant of your own in "
                                      "Python (docs/experiments.md, \"Grids\")")
     for item in overrides:
-        keys = tuple(parse_override(item)[0])
+        keys = _residual_path(tuple(parse_override(item)[0]))
         for path, owner in set_by_grid.items():
             n = min(len(keys), len(path))
             if keys[:n] == path[:n]:  # the override sets this field, or a section holding it
                 raise ValueError(f"override {item!r} changes {'.'.join(path)}, which {owner}")
+
+
+def _residual_path(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """An override's key path with an earlier version's flat residual key as the field it sets
+    (``model.attnres_block_size`` is ``model.residual.block_size``): spelt so, an override of
+    what the variants set was not seen as one - `attnres compare model.attnres_block_size=4`
+    trained the grid's Block AttnRes at S = 4 under its S = 2 name, and the baselines with it."""
+    if len(keys) >= 2 and keys[0] == "model" and keys[1] in FLAT_RESIDUAL_KEYS:
+        return ("model", "residual", *FLAT_RESIDUAL_KEYS[keys[1]], *keys[2:])
+    return keys
+
+
+def warn_unread_grid_overrides(experiment: Experiment, configs: list[tuple[Variant, int, TrainConfig]],
+                               overrides: list[str] | tuple[str, ...]) -> None:
+    """Warn once for each variant-specific residual field an override gives (``block_size``,
+    ``hc_streams``, ...) that none of the grid's runs ``configs`` reads: `attnres compare
+    model.residual.hc_streams=2` trained every run as if it were not there without a word, the
+    warning ``attnres train`` gives (the grid builds its runs' configs from mappings, which
+    say nothing). A field some variant reads is for those variants, as meant."""
+    given = residual_fields_given(apply_overrides({}, list(overrides)).get("model"))
+    kinds = list(dict.fromkeys(config.model.residual.kind for _, _, config in configs))
+    for name in sorted(given):
+        if configs and not any(name in residual_class(kind).reads_fields for kind in kinds):
+            value = getattr(configs[0][2].model.residual, name)
+            warn_user(f"override model.residual.{name}={value!r} is read only by "
+                      f"{readers_in_words(name, 'and') or 'no registered variant'}, none of the runs of the "
+                      f"{experiment.name!r} grid ({', '.join(kinds)}): each trains the same model whatever it holds, "
+                      "so it is not used (leave it out)")
 
 
 def median_step_time(metrics_path: Path, tokens_per_step: int) -> float | None:
@@ -398,6 +428,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     # as one the grid was not trained with, not by its name.
     configs = [(v, s, run_config(experiment, v, s, run_dir(out, v.name, s), overrides))
                for s in seeds for v in chosen]
+    warn_unread_grid_overrides(experiment, configs, overrides)
     check_same_experiment(out, header)
     # (a model.vocab_size of the user's, replaced by the tokenizer's, is warned of as attnres train does)
     vocab_size_given = sets_vocab_size(None, overrides)
