@@ -394,7 +394,7 @@ def test_the_block_size_is_shown_for_every_variant_that_reads_it(tmp_path):
     registered by the user (read with `attnres --import MODULE status`) showed none. S is
     shown wherever the run's variant reads the block size (its class's reads_fields); not for
     one that does not, nor for a kind not registered here (not guessed)."""
-    from attnres.nn.residual import BlockAttnRes, register_residual
+    from attnres.nn.residual import BlockAttnRes, ResidualConfig, register_residual
 
     @register_residual("status_block_test", replace=True)
     class StatusBlock(BlockAttnRes):
@@ -404,8 +404,13 @@ def test_the_block_size_is_shown_for_every_variant_that_reads_it(tmp_path):
     S = {kind: run_status(_written_run(tmp_path / kind, {"kind": kind, "block_size": 4}, record)).block_size
          for kind in ("attnres_block", "status_block_test", "attnres_full", "not_registered_here")}
     assert S == {"attnres_block": 4, "status_block_test": 4, "attnres_full": None, "not_registered_here": None}
+    # a block size left to be derived (null) shows the S the model derives: ceil(L / 8), L = 2 x 2 sublayers
     assert run_status(_written_run(tmp_path / "auto", {"kind": "attnres_block", "block_size": None}, record)).block_size \
-        is None  # (the derived S: not stored, not shown)
+        == ResidualConfig().resolved_block_size(4) == 1
+    deep = _written_run(tmp_path / "deep", {"kind": "attnres_block", "block_size": None}, record)
+    (deep / "config.json").write_text(json.dumps({"steps": 6, "model": {"n_layers": 24, "d_model": 32, "residual": {
+        "kind": "attnres_block", "block_size": None}}}))
+    assert run_status(deep).block_size == 6  # (48 sublayers: 8 blocks of 6, report §3.2's N = 8)
 
 
 def test_a_run_resumed_onto_other_text_is_said_to_be(tmp_path, capsys):

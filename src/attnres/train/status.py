@@ -141,23 +141,28 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
                      state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
-                     block_size=_block_size(residual, kind), data=data_fingerprint(newest),
+                     block_size=_block_size(residual, kind, model.get("n_layers")), data=data_fingerprint(newest),
                      data_changes=sorted({r["step"] for r in records if r["kind"] == DATA_CHANGE}))
 
 
-def _block_size(residual: Any, kind: Any) -> int | None:
-    """The block size a run's config stores, where its variant reads it (its class's
+def _block_size(residual: Any, kind: Any, n_layers: Any) -> int | None:
+    """The block size a run's model has, where its variant reads it (its class's
     ``reads_fields``: Block AttnRes, a subclass of it, a variant of the user's that declares
-    it; by name, only Block AttnRes itself showed it); ``None`` for another variant, and for a
-    kind not registered here (a residual of the user's whose module this command did not
-    import, ``attnres --import MODULE status``: its class is not guessed)."""
-    from ..nn.residual import residual_class
+    it; by name, only Block AttnRes itself showed it): the stored ``block_size``, or where the
+    config leaves it to be derived (``null``) the S it derives from the depth
+    (``ResidualConfig.resolved_block_size``; a default-S run showed none, beside a sweep's
+    runs that state theirs). ``None`` for another variant, and for a kind not registered here
+    (a residual of the user's whose module this command did not import, ``attnres --import
+    MODULE status``: its class is not guessed)."""
+    from ..nn.residual import ResidualConfig, residual_class
 
     size = residual.get("block_size") if isinstance(residual, dict) else None
     try:
         reads = "block_size" in residual_class(kind).reads_fields
     except ValueError:  # (UnregisteredResidual)
         return None
+    if reads and size is None and isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers > 0:
+        size = ResidualConfig().resolved_block_size(2 * n_layers)  # (L: ModelConfig.n_sublayers, two a block)
     return size if reads and isinstance(size, int) else None
 
 
