@@ -384,6 +384,12 @@ def test_a_full_group_size_above_the_depth_is_one_group_of_all_sublayers():
     wide, exact = FullAttnRes(8, 4, group_size=10), FullAttnRes(8, 4, group_size=4)
     assert wide.group_size == 4 and "group_size=4" in repr(wide)
     assert build_residual({"kind": "attnres_full", "full_group_size": 10}, 8, 4).group_size == 4
+    # (and the resolved config - what a run's resolved fields say - is the group the model runs)
+    from attnres.models import ModelConfig
+
+    assert ResidualConfig(kind="attnres_full", full_group_size=10).resolved_full_group_size(4) == 4
+    assert ModelConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, residual={
+        "kind": "attnres_full", "full_group_size": 10}).resolved_fields()["residual.full_group_size"] == 4
     exact.load_state_dict(wide.state_dict())
     emb = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
     sublayers = ToySublayers(8, 4, 0)

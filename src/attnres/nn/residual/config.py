@@ -214,8 +214,11 @@ class ResidualConfig:
         return max(1, -(-n_sublayers // 8))
 
     def resolved_full_group_size(self, n_sublayers: int) -> int:
-        """Full AttnRes' Appendix-B group: ``full_group_size``, or :func:`default_full_group_size`."""
-        return default_full_group_size(n_sublayers) if self.full_group_size is None else self.full_group_size
+        """Full AttnRes' Appendix-B group: ``full_group_size``, or :func:`default_full_group_size`;
+        at most ``L`` (a larger group is one group of all ``L`` sublayers, as ``FullAttnRes``
+        keeps it: the resolved config said the 10 given for 4 sublayers)."""
+        size = default_full_group_size(n_sublayers) if self.full_group_size is None else self.full_group_size
+        return min(size, n_sublayers)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a mapping (``ablation`` nested), as ``ModelConfig.to_dict`` stores them."""
