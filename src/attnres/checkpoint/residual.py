@@ -28,10 +28,9 @@ def refuse_residual_change(path: str | Path, state: dict[str, Any] | None, model
         return
     # (imported when a load asks, not with attnres.checkpoint: the model modules import torch._dynamo, which
     # the checkpoint's other tools - finding, verifying, consolidating one - need not wait for)
-    from ..models.config import ModelConfig
     from ..models.residual_change import residual_change_refusal
 
-    if (found := _saved_and_ours(path, state, model, ModelConfig)) is None:
+    if (found := _saved_and_ours(path, state, model)) is None:
         return
     saved, config = found
     refusal = residual_change_refusal(
@@ -42,12 +41,14 @@ def refuse_residual_change(path: str | Path, state: dict[str, Any] | None, model
         raise CheckpointError(refusal)
 
 
-def _saved_and_ours(path: str | Path, state: dict[str, Any] | None, model: nn.Module, model_config: type):
+def _saved_and_ours(path: str | Path, state: dict[str, Any] | None, model: nn.Module):
     """``(the checkpoint's stored model config, model's ModelConfig)``, or ``None`` where
     ``model`` tells no residual or the checkpoint stores no config (``state``: its
     ``state.json``, read here where ``None``)."""
+    from ..models.config import ModelConfig
+
     config = getattr(model, "config", None)
-    if not isinstance(config, model_config):
+    if not isinstance(config, ModelConfig):
         return None
     if state is None:
         try:
@@ -64,10 +65,9 @@ def residual_hint(path: str | Path, state: dict[str, Any] | None, model: nn.Modu
     missing and unexpected weights alone did not say that the model was built with another
     residual, nor how to build the checkpoint's. ``""`` where the residuals agree, ``model``
     tells none or the checkpoint stores no config."""
-    from ..models.config import ModelConfig
     from ..models.residual_change import residual_difference
 
-    if (found := _saved_and_ours(path, state, model, ModelConfig)) is None:
+    if (found := _saved_and_ours(path, state, model)) is None:
         return ""
     values = residual_difference(*found)
     if values is None:

@@ -99,7 +99,7 @@ def residual_change_refusal(saved: Mapping[str, Any], ours: ModelConfig, where: 
     old, new, differing = _fitting_change(saved, ours)
     if not differing:
         return None
-    values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
+    values = _in_words(old, new, differing)
     return (f"{where}: {whose} residual differs from the checkpoint's ({values}); its weights would load into this "
             "model without a word (the same names and shapes), which computes something else from them. "
             f"{way_out} (e.g. a Block AttnRes run continued as Full AttnRes)")
@@ -115,4 +115,10 @@ def residual_difference(saved: Mapping[str, Any], ours: ModelConfig) -> str | No
     if compared is None or not compared[3]:
         return None
     _, old, new, differing = compared
+    return _in_words(old, new, differing)
+
+
+def _in_words(old: Mapping[str, Any], new: Mapping[str, Any], differing: list[str]) -> str:
+    """The ``differing`` residual fields as a refusal names them: ``model.residual.kind:
+    'attnres_block' there, 'standard' here``."""
     return ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
