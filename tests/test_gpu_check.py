@@ -27,14 +27,68 @@ def _all_parts() -> list[str]:
     return gpu_check.parse_args(["--out", "x"]).parts.split(",")
 
 
+#: Runs a script (``sys.argv[1]``, its arguments after it) as a machine with only PyTorch,
+#: Triton and NumPy installed - the GPU machine of the prepared check - would: every module of
+#: an installed distribution outside theirs and their dependencies' (the project's own
+#: aside) is absent, as ``None`` in ``sys.modules`` (``import`` raises ModuleNotFoundError,
+#: ``importlib.util.find_spec`` finds nothing).
+ONLY_TORCH_TRITON_NUMPY = """
+import importlib.metadata as md, re, runpy, sys
+def name(requirement):
+    return re.split(r"[\\s;<>=!~\\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+allowed, todo = set(), ["torch", "triton", "numpy"]
+while todo:
+    dist = todo.pop()
+    if dist not in allowed:
+        allowed.add(dist)
+        try:
+            todo += [name(r) for r in md.requires(dist) or () if "extra ==" not in r]
+        except md.PackageNotFoundError:
+            pass
+for module, dists in md.packages_distributions().items():
+    if module != "attnres" and module not in sys.modules and not allowed & {d.lower().replace("_", "-") for d in dists}:
+        sys.modules[module] = None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def only_torch_triton_numpy(script: Path, *args: str) -> list[str]:
+    """The command line that runs ``script`` with ``args`` as :data:`ONLY_TORCH_TRITON_NUMPY`."""
+    return [sys.executable, "-c", ONLY_TORCH_TRITON_NUMPY, str(script), *args]
+
+
+def test_the_check_imports_on_a_machine_with_only_torch_triton_and_numpy(tmp_path):
+    """The GPU machine has only PyTorch, Triton and NumPy: until 2026-12-07 the check failed
+    there before it measured anything - bench_training_overhead (whose helpers it imports)
+    imported attnres.train, and attnres.inference its run loading, both the checkpoints'
+    safetensors (the train extra); the warm-up's workers, which import the check, failed so
+    too. (The smoke, :func:`test_cpu_smoke_runs_every_part_and_writes_the_summary`, runs every
+    part so.)"""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run(only_torch_triton_numpy(ROOT / "benchmarks" / "gpu_check.py", "--source-digest"), cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(result.stdout.strip()) == 16
+    # (the blocking itself: a module of the train extra is absent, torch's own dependencies are not)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import importlib.util, sympy\nassert importlib.util.find_spec('pytest') is None\n"
+                     "try:\n    import pytest\nexcept ModuleNotFoundError:\n    print('absent')\n")
+    result = subprocess.run(only_torch_triton_numpy(probe), env=env, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "absent", result.stderr[-3000:]
+
+
 def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     pytest.importorskip("triton")
     import gpu_check
     # (one thread, as the suite's other subprocesses: the toy sizes gain nothing from more, whose waiting
     # threads spun - 33.5 -> 23.2 CPU-s for the smoke, measured back to back)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--out",
-                             str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # (as on the GPU machine, with only PyTorch, Triton and NumPy: what a part imports as it runs)
+    result = subprocess.run(only_torch_triton_numpy(ROOT / "benchmarks" / "gpu_check.py", "--cpu-smoke", "--out",
+                                                    str(tmp_path)), cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("train_eager", "train_compiled", "decode_b1", "decode_b8", "decode_eager_b1", "decode_eager_b8",
