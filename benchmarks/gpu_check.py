@@ -12,7 +12,8 @@ fla-core, fast-attnres, flash-attn-res and einops, which fla-core needs - instal
 install --no-deps --target`` beside ``src`` on ``PYTHONPATH``: docs/kernels.md's follow-up 4;
 see bench_kernels_gpu.py for why ``PYTHONPATH=src`` comes first with fast-attnres). The parts, in order; each prints its table
 when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
-``OUT/summary.json``, so a run stopped by a time limit keeps what it measured:
+``OUT/summary.json`` (a part that measures in groups also after each: the compiled part's
+targets before Full's compile), so a run stopped by a time limit keeps what it measured:
 
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
    the models run (a few rows each, the real ``d`` and dtypes; one process per AttnRes
@@ -180,12 +181,21 @@ class Clock:
     drop some of its work (the compiled part's models) checks before each piece. ``strict``
     (default: on the CPU, the smoke, whose failures are the tests'): a part's optional
     piece that raises fails the part, else it is recorded (:func:`attempt`) and the part's
-    other results kept."""
+    other results kept. ``on_measured``: where a part that measures in groups hands the rows
+    it has so far (:meth:`measured`; :func:`run_one_part` writes them into the files)."""
 
     def __init__(self, device: str, deadline: float | None = None, strict: bool | None = None):
         self.cuda = device == "cuda"
         self.deadline = deadline
         self.strict = not self.cuda if strict is None else strict
+        self.on_measured = None
+
+    def measured(self, rows: dict) -> None:
+        """A part's rows measured so far - the compiled part's targets before Full's compile,
+        the eager part's before its other steps, decode's batch 1 - to :attr:`on_measured`
+        (where set): a run its time limit kills later in the part keeps them."""
+        if self.on_measured is not None:
+            self.on_measured(rows)
 
     def left(self) -> float:
         """Seconds to the deadline (infinite without one)."""
@@ -1064,6 +1074,7 @@ def compiled_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict
             # (where a compiled step's device time goes: one more step each, already compiled)
             result["profile"].update(kept_unless_lost(clock, errors, "profile", lambda: {
                 name: profiled(group[name], device, PROFILE_TOP) for name in PROFILED if name in group}) or {})
+            clock.measured(result)
     except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
         pass
     return result
@@ -1100,6 +1111,7 @@ def eager_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict, f
             # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
             each(clock, errors, "kept", lambda f: kept_bytes(f, device) / 2**20, {k: forwards[k] for k in group},
                  result["kept_MiB"])
+            clock.measured(result)
     except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
         pass
     return result
@@ -1369,6 +1381,7 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
             del steps  # (and with them the caches and graphs, before the next batch's)
             if lost:
                 break
+            clock.measured({**result, "errors": errors})
     result["errors"] = errors
     return result
 
@@ -2268,6 +2281,9 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     result["running"] = {"part": part, "since_s": spent_before + time.perf_counter() - start}
     write(out, result, clock.strict)
     lost = failed = False
+    # (the rows a part has measured so far, filed as at its end, still naming it running: a run
+    # killed in the compiled part's last compile kept none of the part's rows until 2026-12-07)
+    clock.on_measured = lambda rows: write(out, filed(result, part, rows), clock.strict)
     try:
         part_result = run_part(part, z, clock, part_models, device, peers, skipped)
     except Exception as e:  # noqa: BLE001 - one part's failure is reported; the others still run
@@ -2280,23 +2296,41 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
         if lost:
             result["errors"][part] += lost_note(part)
     else:
-        result[part] = part_result
-        pieces = part_result.pop("errors", None) or {}
-        for piece, trace in pieces.items():
-            result["errors"][f"{part}.{piece}"] = trace
-        for name, why in (part_result.pop("dropped", None) or {}).items():
-            result["skipped"][f"{part} {name}"] = why
+        pieces = file_part(result, part, part_result)
         # (a piece's failure can lose the device as a part's can: the part's timings are kept,
         # the parts after it run in a fresh process - in this one each would fail)
         lost = bool(pieces) and not device_usable(device)
         if lost:
             result["errors"][f"{part}.{list(pieces)[-1]}"] += lost_note(part)
+    finally:
+        clock.on_measured = None
     if failed and not lost:  # (the failure's traceback held its tensors: give their memory back)
         release_memory(device)
     result.pop("running", None)
     result["elapsed_s"] = spent_before + time.perf_counter() - start
     print(write(out, result, clock.strict), flush=True)
     return lost
+
+
+def file_part(result: dict, part: str, part_result: dict) -> dict:
+    """``part_result`` into ``result[part]``, its pieces' errors (taken out of it) under
+    ``errors`` as ``part.piece`` and the models it dropped under ``skipped``: the pieces'
+    errors."""
+    result[part] = part_result
+    pieces = part_result.pop("errors", None) or {}
+    for piece, trace in pieces.items():
+        result["errors"][f"{part}.{piece}"] = trace
+    for name, why in (part_result.pop("dropped", None) or {}).items():
+        result["skipped"][f"{part} {name}"] = why
+    return pieces
+
+
+def filed(result: dict, part: str, rows: dict) -> dict:
+    """A copy of ``result`` with ``part``'s ``rows`` so far filed as :func:`file_part` files
+    its result, ``result`` and ``rows`` unchanged."""
+    copy = {**result, "errors": dict(result["errors"]), "skipped": dict(result["skipped"])}
+    file_part(copy, part, dict(rows))
+    return copy
 
 
 def lost_note(part: str) -> str:

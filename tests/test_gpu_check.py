@@ -1963,6 +1963,44 @@ def test_full_losing_the_device_at_its_compile_keeps_the_compiled_targets_rows(m
     assert set(compiled["errors"]) == {"full"} and ILLEGAL in compiled["errors"]["full"]
 
 
+def test_the_compiled_parts_targets_rows_are_in_the_files_before_fulls_compile(monkeypatch, tmp_path):
+    """The files were written before and after each part only: a run its time limit killed in
+    the compiled part - Full's compile, the last of minutes of compiling, running past the
+    deadline - lost the compiled targets' rows measured before it. A part hands its rows as
+    it measures each group (:meth:`Clock.measured`: the compiled part's targets before Full's
+    compile, the eager part's, decode's batch 1), and the run writes them, filed as at the
+    part's end and still naming it running."""
+    import gpu_check
+
+    seen = []
+    lenient = gpu_check.Clock("cpu", strict=False)  # (a GPU's clock)
+    lenient.on_measured = lambda rows: seen.append(json.loads(json.dumps(rows, default=str)))
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
+    assert [set(rows["ms"]) for rows in seen] == [{"standard", "block"}, {"standard", "block", "full"}]
+    assert set(seen[0]["compile_s"]) == set(seen[0]["profile"]) == {"standard", "block"}
+    seen.clear()
+    gpu_check.part_decode(gpu_check.SMOKE, lenient, models, "cpu")
+    assert [sorted(rows) for rows in seen] == [["b1", "errors"], ["b1", "b8", "errors"]]
+
+    in_files = {}
+
+    def run_part(part, z, clock, *args):  # (the rows of the targets' group, then killed in Full's compile)
+        clock.measured({"errors": {"profile": "a traceback"}, "dropped": {}, "compile_s": {"standard": 1.0},
+                        "warm_up_s": 1.0, "ms": {"standard": 100.0, "block": 103.0}, "profile": {}})
+        in_files.update(summary=json.loads((tmp_path / "summary.json").read_text()),
+                        md=(tmp_path / "gpu_check.md").read_text())
+        raise KeyboardInterrupt
+
+    _fake_gpu(monkeypatch, gpu_check, run_part)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--out", str(tmp_path), "--no-peers", "--parts", "train_compiled"])
+    summary = in_files["summary"]
+    assert summary["train_compiled"] == pytest.approx(1.03) and summary["met"]["train_compiled"]
+    assert summary["running"]["part"] == "train_compiled" and summary["errors"] == ["train_compiled.profile"]
+    assert "## train_compiled" in in_files["md"] and "Still running train_compiled" in in_files["md"]
+
+
 def test_full_compiled_after_the_targets_timing_is_timed_beside_the_standard_model_within_the_deadline(monkeypatch):
     """Full's compile, now after the targets' timing, is still held to the deadline with the
     slowest compile before it (the standard model's, Block's): dropped, and said why, where it
