@@ -40,7 +40,8 @@ targets before Full's compile), so a run stopped by a time limit keeps what it m
    part so, e.g. the compiled one.
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16; Block's graphed step also with Phase 1's forward in one kernel
-   (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains).
+   (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains) -
+   both batches' targets' steps (the standard model's, Block's) before the other steps.
 4. **ops**: each of our operations alone (Phase 1 and the merge - also the merge that forms
    Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
@@ -1359,51 +1360,56 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
     ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
     CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
-    kernel (:data:`ONE_KERNEL`). A step that loses the device (batch 8's graph capture) ends
-    the part: the rows measured before it are returned - each batch's targets' are measured
-    before its other steps' first runs (:func:`decode_batch`) -, the failure among the
-    ``errors`` (the parts after it run in a fresh process)."""
+    kernel (:data:`ONE_KERNEL`). Every batch's targets' steps are measured before any other
+    step's first run (:func:`decode_batch`): until 2026-12-07 batch 1's Full and one-kernel
+    steps came before batch 8's targets, whose rows a sticky fault of theirs lost. A step
+    that loses the device (a graph's capture) ends the part: the rows measured before it are
+    returned, the failure among the ``errors`` (the parts after it run in a fresh process)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
-    result, errors = {}, {}
+    result, errors, seconds = {}, {}, {batch: {} for batch in DECODE_BATCHES}
+    tokens = {batch: torch.randint(0, z.vocab, (batch,), device=device) for batch in DECODE_BATCHES}
     with weights_in(models, dtype):
-        for batch in DECODE_BATCHES:
-            tokens = torch.randint(0, z.vocab, (batch,), device=device)
-            steps = {f"{name}|{mode}": step for name, model in models.items()
-                     for mode, step in decode_steps(model, batch, z, device, dtype, static_mode, tokens).items()}
-            if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
-                steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype, static_mode,
-                                                                 tokens)
-            seconds, lost = decode_batch(clock, errors, steps, f"b{batch} ", z.repeats)
-            for key, t in seconds.items():
-                name, mode = key.split("|")
-                result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
-            del steps  # (and with them the caches and graphs, before the next batch's)
+        for first in (True, False):  # (the targets' steps of every batch, then the other steps)
+            lost = False
+            for batch in DECODE_BATCHES:
+                steps = {f"{name}|{mode}": step for name, model in models.items() for mode, step in
+                         decode_steps(model, batch, z, device, dtype, static_mode, tokens[batch]).items()}
+                if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
+                    steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype,
+                                                                     static_mode, tokens[batch])
+                lost = decode_batch(clock, errors, steps, f"b{batch} ", z.repeats, seconds[batch], first)
+                for key, t in seconds[batch].items():
+                    name, mode = key.split("|")
+                    result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
+                del steps  # (and with them the caches and graphs, before the next batch's)
+                if lost:
+                    break
+                clock.measured({**result, "errors": errors})
             if lost:
                 break
-            clock.measured({**result, "errors": errors})
     result["errors"] = errors
     return result
 
 
-def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: int) -> tuple[dict[str, float], bool]:
-    """Seconds per step of one batch's decode ``steps`` (``name|mode``), the targets' first
-    (:func:`targets_first`), the others each timed beside the standard model's step of its
-    mode (:func:`timed_beside`); and whether a step lost the device. Each step's cache is
-    made, its graph captured, at its first run: one that fails is recorded, the others timed;
-    one that loses the device, there or in the timing rounds (:func:`timed_rounds`), ends the
-    part with the rows measured before it - the batch's targets' where an option's step lost
-    it (:class:`DeviceLost`), the earlier batches'."""
-    seconds: dict[str, float] = {}
+def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: int, seconds: dict[str, float],
+                 targets_only: bool) -> bool:
+    """Into ``seconds``, the seconds per step of one batch's decode ``steps`` (``name|mode``):
+    with ``targets_only`` the targets' (:func:`targets_first`), else the others', each timed
+    beside the standard model's step of its mode (:func:`timed_beside`, its time in
+    ``seconds``); and whether a step lost the device. Each step's cache is made, its graph
+    captured, at its first run: one that fails is recorded, the others timed; one that loses
+    the device, there or in the timing rounds (:func:`timed_rounds`), ends the part with the
+    rows measured before it (:class:`DeviceLost`)."""
     targets, others = targets_first(steps, lambda key: key.split("|")[0])
+    group = targets if targets_only else others
     try:
-        for group in (targets, others):
-            group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
-            seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
-                clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1], repeats), prefix))
+        group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
+        seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
+            clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1], repeats), prefix))
     except DeviceLost:
-        return seconds, True
-    return seconds, False
+        return True
+    return False
 
 
 def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> dict:

@@ -1859,11 +1859,12 @@ def test_an_option_that_loses_the_device_at_its_first_run_keeps_the_eager_target
     assert "illegal memory access" in eager["errors"]["standard (bf16 stream)"]
 
 
-def test_phase1_in_one_kernel_losing_the_device_at_its_first_run_keeps_batch_1s_targets_rows(monkeypatch):
+def test_phase1_in_one_kernel_losing_the_device_at_its_first_run_keeps_every_batchs_targets_rows(monkeypatch):
     """As in the eager part: Block's decode step with Phase 1 in one kernel (not run on a GPU
     yet) losing the device at its first run at batch 1 lost that batch's rows - the decode
-    target's. The standard model's and Block's steps are run and timed first: batch 1's
-    rows of theirs are kept, the failure recorded, and the part ends there."""
+    target's - and, run before batch 8's, those too. The standard model's and Block's steps
+    of every batch are run and timed first: their rows are kept, the failure recorded, and
+    the part ends there (until 2026-12-07 batch 8's targets came after batch 1's other steps)."""
     pytest.importorskip("triton")
     import gpu_check
 
@@ -1878,9 +1879,10 @@ def test_phase1_in_one_kernel_losing_the_device_at_its_first_run_keeps_batch_1s_
     monkeypatch.setattr(gpu_check, "phase1_in_one_kernel", losing_kernel)
     models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
     decode = gpu_check.part_decode(gpu_check.SMOKE, gpu_check.Clock("cpu", strict=False), models, "cpu")
-    assert set(decode) == {"b1", "errors"} and len(lost) == 1
-    assert {mode: set(rows) for mode, rows in decode["b1"].items()} == {"eager": {"standard", "block"},
-                                                                       "graphed": {"standard", "block"}}
+    assert set(decode) == {"b1", "b8", "errors"} and len(lost) == 1
+    for batch in ("b1", "b8"):
+        assert {mode: set(rows) for mode, rows in decode[batch].items()} == {"eager": {"standard", "block"},
+                                                                            "graphed": {"standard", "block"}}
     assert set(decode["errors"]) == {f"b1 {gpu_check.ONE_KERNEL}|graphed"}
 
 
@@ -1981,7 +1983,7 @@ def test_the_compiled_parts_targets_rows_are_in_the_files_before_fulls_compile(m
     assert set(seen[0]["compile_s"]) == set(seen[0]["profile"]) == {"standard", "block"}
     seen.clear()
     gpu_check.part_decode(gpu_check.SMOKE, lenient, models, "cpu")
-    assert [sorted(rows) for rows in seen] == [["b1", "errors"], ["b1", "b8", "errors"]]
+    assert [sorted(rows) for rows in seen] == [["b1", "errors"], *[["b1", "b8", "errors"]] * 3]
 
     in_files = {}
 
