@@ -194,9 +194,17 @@ class Clock:
     def measured(self, rows: dict) -> None:
         """A part's rows measured so far - the compiled part's targets before Full's compile,
         the eager part's before its other steps, decode's batch 1 - to :attr:`on_measured`
-        (where set): a run its time limit kills later in the part keeps them."""
-        if self.on_measured is not None:
+        (where set): a run its time limit kills later in the part keeps them. Where that
+        fails (a full disk), the log says so and the part goes on: the part's end writes its
+        rows again (unless ``strict``, the smoke)."""
+        if self.on_measured is None:
+            return
+        try:
             self.on_measured(rows)
+        except Exception as e:  # noqa: BLE001 - the rows stay in the part's result
+            if self.strict:
+                raise
+            log(f"[gpu_check]   the rows measured so far were not written: {type(e).__name__}: {e}")
 
     def left(self) -> float:
         """Seconds to the deadline (infinite without one)."""

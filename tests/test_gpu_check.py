@@ -2003,6 +2003,27 @@ def test_the_compiled_parts_targets_rows_are_in_the_files_before_fulls_compile(m
     assert "## train_compiled" in in_files["md"] and "Still running train_compiled" in in_files["md"]
 
 
+def test_rows_so_far_that_cannot_be_written_keep_the_part_going(monkeypatch):
+    """Writing a part's rows so far (:meth:`Clock.measured`) that fails - a full disk - is
+    said in the log and the part measures on (its end writes them again): on a GPU's clock
+    it does not fail the part, whose rows would be lost with it; on the smoke's it raises."""
+    import gpu_check
+
+    def full_disk(rows):
+        raise OSError(28, "No space left on device")
+
+    models = {"standard": torch.nn.Linear(2, 2)}
+    monkeypatch.setattr(gpu_check, "decode_steps", lambda *args: {"eager": lambda: None, "graphed": lambda: None})
+    lenient = gpu_check.Clock("cpu", strict=False)  # (a GPU's clock)
+    lenient.on_measured = full_disk
+    decode = gpu_check.part_decode(gpu_check.SMOKE, lenient, models, "cpu")
+    assert set(decode) == {"b1", "b8", "errors"} and not decode["errors"]
+    strict = gpu_check.Clock("cpu")
+    strict.on_measured = full_disk
+    with pytest.raises(OSError):
+        gpu_check.part_decode(gpu_check.SMOKE, strict, models, "cpu")
+
+
 def test_full_compiled_after_the_targets_timing_is_timed_beside_the_standard_model_within_the_deadline(monkeypatch):
     """Full's compile, now after the targets' timing, is still held to the deadline with the
     slowest compile before it (the standard model's, Block's): dropped, and said why, where it
