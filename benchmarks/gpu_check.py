@@ -135,6 +135,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(HERE))
+# (this tree's attnres first, as ``PYTHONPATH=src`` puts it - the code the run records,
+# code.source_digest - where the command leaves it out: an installed attnres, or none - the GPU
+# machine's - was imported instead, or failed the run before it measured anything)
+sys.path.insert(0, str(HERE.parent / "src"))
 import bench_kernels_gpu as kernels_bench  # noqa: E402
 from bench_training_overhead import out_dir, script_path  # noqa: E402
 

@@ -79,6 +79,21 @@ def test_the_check_imports_on_a_machine_with_only_torch_triton_and_numpy(tmp_pat
     assert result.stdout.strip() == "absent", result.stderr[-3000:]
 
 
+def test_the_check_imports_its_own_trees_attnres_without_pythonpath(tmp_path):
+    """The GPU session's command may leave out ``PYTHONPATH=src``: the check then failed on the
+    GPU machine (no attnres installed) before it measured anything, or imported an installed
+    attnres other than the tree whose sources it records (``code.source_digest``). It puts
+    its tree's ``src`` first itself."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import attnres, bench_kernels_gpu; "
+            "print(attnres.__file__)")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert Path(result.stdout.strip()) == ROOT / "src" / "attnres" / "__init__.py"
+
+
 def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     pytest.importorskip("triton")
     import gpu_check
