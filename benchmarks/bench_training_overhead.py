@@ -61,7 +61,17 @@ import torch
 
 from attnres import AttnResLM, ModelConfig
 from attnres.analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
-from attnres.train.cpu_memory import CPU_ALLOCATORS, minor_page_faults, set_cpu_allocator
+
+
+def cpu_memory():
+    """``attnres.train.cpu_memory``, imported where a run uses it: importing it imports
+    ``attnres.train`` and its checkpoints (safetensors, the ``train`` extra), which
+    gpu_check.py and bench_kernels_gpu.py - importing this module's helpers on a GPU machine
+    with only PyTorch, Triton and NumPy - do not have."""
+    from attnres.train import cpu_memory as module
+
+    return module
+
 
 VARIANTS = {
     "standard": dict(residual="standard"),
@@ -198,9 +208,9 @@ def make_step(model, runner, ids, mode):
 
 def page_faults(step) -> int:
     """Minor page faults of one call of ``step`` (fresh pages the kernel zero-fills)."""
-    before = minor_page_faults()
+    before = cpu_memory().minor_page_faults()
     step()
-    return minor_page_faults() - before
+    return cpu_memory().minor_page_faults() - before
 
 
 def summarize(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -227,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bench-cpu: d=512, 8 blocks, S=4 (default); main-job: d=64, 12 blocks, S=3, batch 16 x 128, "
                         "one thread")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's; main-job: 1)")
-    p.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS, default="retain",
+    p.add_argument("--cpu-allocator", choices=cpu_memory().CPU_ALLOCATORS, default="retain",
                    help="retain: freed memory stays in the process for the next step, as in `attnres train` "
                         "(default); system: glibc's defaults (attnres.train.cpu_memory)")
     p.add_argument("--quick", action="store_true",
@@ -269,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    retained = set_cpu_allocator(args.cpu_allocator)
+    retained = cpu_memory().set_cpu_allocator(args.cpu_allocator)
     base, variants, models, ids = build_models(args)
     results = {
         "config": {**base.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": "float32", "shape": args.shape},
@@ -334,7 +344,7 @@ def serve(args) -> int:
     coordinator asks, one JSON line in, one out (``setup``, ``step``, ``memory``, ``quit``)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    retained = set_cpu_allocator(args.cpu_allocator)
+    retained = cpu_memory().set_cpu_allocator(args.cpu_allocator)
     base, variants, models, ids = build_models(args)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     steps = {}

@@ -12,7 +12,8 @@ fla-core, fast-attnres, flash-attn-res and einops, which fla-core needs - instal
 install --no-deps --target`` beside ``src`` on ``PYTHONPATH``: docs/kernels.md's follow-up 4;
 see bench_kernels_gpu.py for why ``PYTHONPATH=src`` comes first with fast-attnres). The parts, in order; each prints its table
 when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
-``OUT/summary.json``, so a run stopped by a time limit keeps what it measured:
+``OUT/summary.json`` (a part that measures in groups also after each: the compiled part's
+targets before Full's compile), so a run stopped by a time limit keeps what it measured:
 
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
    the models run (a few rows each, the real ``d`` and dtypes; one process per AttnRes
@@ -39,7 +40,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    part so, e.g. the compiled one.
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16; Block's graphed step also with Phase 1's forward in one kernel
-   (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains).
+   (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains) -
+   both batches' targets' steps (the standard model's, Block's) before the other steps.
 4. **ops**: each of our operations alone (Phase 1 and the merge - also the merge that forms
    Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
@@ -133,6 +135,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(HERE))
+# (this tree's attnres first, as ``PYTHONPATH=src`` puts it - the code the run records,
+# code.source_digest - where the command leaves it out: an installed attnres, or none - the GPU
+# machine's - was imported instead, or failed the run before it measured anything)
+sys.path.insert(0, str(HERE.parent / "src"))
 import bench_kernels_gpu as kernels_bench  # noqa: E402
 from bench_training_overhead import out_dir, script_path  # noqa: E402
 
@@ -180,12 +186,29 @@ class Clock:
     drop some of its work (the compiled part's models) checks before each piece. ``strict``
     (default: on the CPU, the smoke, whose failures are the tests'): a part's optional
     piece that raises fails the part, else it is recorded (:func:`attempt`) and the part's
-    other results kept."""
+    other results kept. ``on_measured``: where a part that measures in groups hands the rows
+    it has so far (:meth:`measured`; :func:`run_one_part` writes them into the files)."""
 
     def __init__(self, device: str, deadline: float | None = None, strict: bool | None = None):
         self.cuda = device == "cuda"
         self.deadline = deadline
         self.strict = not self.cuda if strict is None else strict
+        self.on_measured = None
+
+    def measured(self, rows: dict) -> None:
+        """A part's rows measured so far - the compiled part's targets before Full's compile,
+        the eager part's before its other steps, decode's batch 1 - to :attr:`on_measured`
+        (where set): a run its time limit kills later in the part keeps them. Where that
+        fails (a full disk), the log says so and the part goes on: the part's end writes its
+        rows again (unless ``strict``, the smoke)."""
+        if self.on_measured is None:
+            return
+        try:
+            self.on_measured(rows)
+        except Exception as e:  # noqa: BLE001 - the rows stay in the part's result
+            if self.strict:
+                raise
+            log(f"[gpu_check]   the rows measured so far were not written: {type(e).__name__}: {e}")
 
     def left(self) -> float:
         """Seconds to the deadline (infinite without one)."""
@@ -1064,6 +1087,7 @@ def compiled_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict
             # (where a compiled step's device time goes: one more step each, already compiled)
             result["profile"].update(kept_unless_lost(clock, errors, "profile", lambda: {
                 name: profiled(group[name], device, PROFILE_TOP) for name in PROFILED if name in group}) or {})
+            clock.measured(result)
     except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
         pass
     return result
@@ -1100,6 +1124,7 @@ def eager_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict, f
             # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
             each(clock, errors, "kept", lambda f: kept_bytes(f, device) / 2**20, {k: forwards[k] for k in group},
                  result["kept_MiB"])
+            clock.measured(result)
     except DeviceLost:  # (recorded: the rows measured stand; the parts after run in a fresh process)
         pass
     return result
@@ -1347,50 +1372,56 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
     ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
     CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
-    kernel (:data:`ONE_KERNEL`). A step that loses the device (batch 8's graph capture) ends
-    the part: the rows measured before it are returned - each batch's targets' are measured
-    before its other steps' first runs (:func:`decode_batch`) -, the failure among the
-    ``errors`` (the parts after it run in a fresh process)."""
+    kernel (:data:`ONE_KERNEL`). Every batch's targets' steps are measured before any other
+    step's first run (:func:`decode_batch`): until 2026-12-07 batch 1's Full and one-kernel
+    steps came before batch 8's targets, whose rows a sticky fault of theirs lost. A step
+    that loses the device (a graph's capture) ends the part: the rows measured before it are
+    returned, the failure among the ``errors`` (the parts after it run in a fresh process)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
-    result, errors = {}, {}
+    result, errors, seconds = {}, {}, {batch: {} for batch in DECODE_BATCHES}
+    tokens = {batch: torch.randint(0, z.vocab, (batch,), device=device) for batch in DECODE_BATCHES}
     with weights_in(models, dtype):
-        for batch in DECODE_BATCHES:
-            tokens = torch.randint(0, z.vocab, (batch,), device=device)
-            steps = {f"{name}|{mode}": step for name, model in models.items()
-                     for mode, step in decode_steps(model, batch, z, device, dtype, static_mode, tokens).items()}
-            if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
-                steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype, static_mode,
-                                                                 tokens)
-            seconds, lost = decode_batch(clock, errors, steps, f"b{batch} ", z.repeats)
-            for key, t in seconds.items():
-                name, mode = key.split("|")
-                result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
-            del steps  # (and with them the caches and graphs, before the next batch's)
+        for first in (True, False):  # (the targets' steps of every batch, then the other steps)
+            lost = False
+            for batch in DECODE_BATCHES:
+                steps = {f"{name}|{mode}": step for name, model in models.items() for mode, step in
+                         decode_steps(model, batch, z, device, dtype, static_mode, tokens[batch]).items()}
+                if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
+                    steps[f"{ONE_KERNEL}|graphed"] = one_kernel_step(models["block"], batch, z, device, dtype,
+                                                                     static_mode, tokens[batch])
+                lost = decode_batch(clock, errors, steps, f"b{batch} ", z.repeats, seconds[batch], first)
+                for key, t in seconds[batch].items():
+                    name, mode = key.split("|")
+                    result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
+                del steps  # (and with them the caches and graphs, before the next batch's)
+                if lost:
+                    break
+                clock.measured({**result, "errors": errors})
             if lost:
                 break
     result["errors"] = errors
     return result
 
 
-def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: int) -> tuple[dict[str, float], bool]:
-    """Seconds per step of one batch's decode ``steps`` (``name|mode``), the targets' first
-    (:func:`targets_first`), the others each timed beside the standard model's step of its
-    mode (:func:`timed_beside`); and whether a step lost the device. Each step's cache is
-    made, its graph captured, at its first run: one that fails is recorded, the others timed;
-    one that loses the device, there or in the timing rounds (:func:`timed_rounds`), ends the
-    part with the rows measured before it - the batch's targets' where an option's step lost
-    it (:class:`DeviceLost`), the earlier batches'."""
-    seconds: dict[str, float] = {}
+def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: int, seconds: dict[str, float],
+                 targets_only: bool) -> bool:
+    """Into ``seconds``, the seconds per step of one batch's decode ``steps`` (``name|mode``):
+    with ``targets_only`` the targets' (:func:`targets_first`), else the others', each timed
+    beside the standard model's step of its mode (:func:`timed_beside`, its time in
+    ``seconds``); and whether a step lost the device. Each step's cache is made, its graph
+    captured, at its first run: one that fails is recorded, the others timed; one that loses
+    the device, there or in the timing rounds (:func:`timed_rounds`), ends the part with the
+    rows measured before it (:class:`DeviceLost`)."""
     targets, others = targets_first(steps, lambda key: key.split("|")[0])
+    group = targets if targets_only else others
     try:
-        for group in (targets, others):
-            group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
-            seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
-                clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1], repeats), prefix))
+        group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
+        seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
+            clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1], repeats), prefix))
     except DeviceLost:
-        return seconds, True
-    return seconds, False
+        return True
+    return False
 
 
 def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
@@ -2268,6 +2299,9 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     result["running"] = {"part": part, "since_s": spent_before + time.perf_counter() - start}
     write(out, result, clock.strict)
     lost = failed = False
+    # (the rows a part has measured so far, filed as at its end, still naming it running: a run
+    # killed in the compiled part's last compile kept none of the part's rows until 2026-12-07)
+    clock.on_measured = lambda rows: write(out, filed(result, part, rows), clock.strict)
     try:
         part_result = run_part(part, z, clock, part_models, device, peers, skipped)
     except Exception as e:  # noqa: BLE001 - one part's failure is reported; the others still run
@@ -2280,23 +2314,41 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
         if lost:
             result["errors"][part] += lost_note(part)
     else:
-        result[part] = part_result
-        pieces = part_result.pop("errors", None) or {}
-        for piece, trace in pieces.items():
-            result["errors"][f"{part}.{piece}"] = trace
-        for name, why in (part_result.pop("dropped", None) or {}).items():
-            result["skipped"][f"{part} {name}"] = why
+        pieces = file_part(result, part, part_result)
         # (a piece's failure can lose the device as a part's can: the part's timings are kept,
         # the parts after it run in a fresh process - in this one each would fail)
         lost = bool(pieces) and not device_usable(device)
         if lost:
             result["errors"][f"{part}.{list(pieces)[-1]}"] += lost_note(part)
+    finally:
+        clock.on_measured = None
     if failed and not lost:  # (the failure's traceback held its tensors: give their memory back)
         release_memory(device)
     result.pop("running", None)
     result["elapsed_s"] = spent_before + time.perf_counter() - start
     print(write(out, result, clock.strict), flush=True)
     return lost
+
+
+def file_part(result: dict, part: str, part_result: dict) -> dict:
+    """``part_result`` into ``result[part]``, its pieces' errors (taken out of it) under
+    ``errors`` as ``part.piece`` and the models it dropped under ``skipped``: the pieces'
+    errors."""
+    result[part] = part_result
+    pieces = part_result.pop("errors", None) or {}
+    for piece, trace in pieces.items():
+        result["errors"][f"{part}.{piece}"] = trace
+    for name, why in (part_result.pop("dropped", None) or {}).items():
+        result["skipped"][f"{part} {name}"] = why
+    return pieces
+
+
+def filed(result: dict, part: str, rows: dict) -> dict:
+    """A copy of ``result`` with ``part``'s ``rows`` so far filed as :func:`file_part` files
+    its result, ``result`` and ``rows`` unchanged."""
+    copy = {**result, "errors": dict(result["errors"]), "skipped": dict(result["skipped"])}
+    file_part(copy, part, dict(rows))
+    return copy
 
 
 def lost_note(part: str) -> str:

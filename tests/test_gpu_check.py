@@ -27,14 +27,83 @@ def _all_parts() -> list[str]:
     return gpu_check.parse_args(["--out", "x"]).parts.split(",")
 
 
+#: Runs a script (``sys.argv[1]``, its arguments after it) as a machine with only PyTorch,
+#: Triton and NumPy installed - the GPU machine of the prepared check - would: every module of
+#: an installed distribution outside theirs and their dependencies' (the project's own
+#: aside) is absent, as ``None`` in ``sys.modules`` (``import`` raises ModuleNotFoundError,
+#: ``importlib.util.find_spec`` finds nothing).
+ONLY_TORCH_TRITON_NUMPY = """
+import importlib.metadata as md, re, runpy, sys
+def name(requirement):
+    return re.split(r"[\\s;<>=!~\\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+allowed, todo = set(), ["torch", "triton", "numpy"]
+while todo:
+    dist = todo.pop()
+    if dist not in allowed:
+        allowed.add(dist)
+        try:
+            todo += [name(r) for r in md.requires(dist) or () if "extra ==" not in r]
+        except md.PackageNotFoundError:
+            pass
+for module, dists in md.packages_distributions().items():
+    if module != "attnres" and module not in sys.modules and not allowed & {d.lower().replace("_", "-") for d in dists}:
+        sys.modules[module] = None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def only_torch_triton_numpy(script: Path, *args: str) -> list[str]:
+    """The command line that runs ``script`` with ``args`` as :data:`ONLY_TORCH_TRITON_NUMPY`."""
+    return [sys.executable, "-c", ONLY_TORCH_TRITON_NUMPY, str(script), *args]
+
+
+def test_the_check_imports_on_a_machine_with_only_torch_triton_and_numpy(tmp_path):
+    """The GPU machine has only PyTorch, Triton and NumPy: until 2026-12-07 the check failed
+    there before it measured anything - bench_training_overhead (whose helpers it imports)
+    imported attnres.train, and attnres.inference its run loading, both the checkpoints'
+    safetensors (the train extra); the warm-up's workers, which import the check, failed so
+    too. (The smoke, :func:`test_cpu_smoke_runs_every_part_and_writes_the_summary`, runs every
+    part so.)"""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run(only_torch_triton_numpy(ROOT / "benchmarks" / "gpu_check.py", "--source-digest"), cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(result.stdout.strip()) == 16
+    # (the blocking itself: a module of the train extra is absent, torch's own dependencies are not)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import importlib.util, sympy\nassert importlib.util.find_spec('pytest') is None\n"
+                     "try:\n    import pytest\nexcept ModuleNotFoundError:\n    print('absent')\n")
+    result = subprocess.run(only_torch_triton_numpy(probe), env=env, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "absent", result.stderr[-3000:]
+
+
+def test_the_check_imports_its_own_trees_attnres_without_pythonpath(tmp_path):
+    """The GPU session's command may leave out ``PYTHONPATH=src``: the check then failed on the
+    GPU machine (no attnres installed) before it measured anything, or imported an installed
+    attnres other than the tree whose sources it records (``code.source_digest``). It puts
+    its tree's ``src`` first itself."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import attnres, bench_kernels_gpu; "
+            "print(attnres.__file__)")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert Path(result.stdout.strip()) == ROOT / "src" / "attnres" / "__init__.py"
+
+
 def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     pytest.importorskip("triton")
     import gpu_check
     # (one thread, as the suite's other subprocesses: the toy sizes gain nothing from more, whose waiting
     # threads spun - 33.5 -> 23.2 CPU-s for the smoke, measured back to back)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--out",
-                             str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # (as on the GPU machine, with only PyTorch, Triton and NumPy: what a part imports as it runs)
+    result = subprocess.run(only_torch_triton_numpy(ROOT / "benchmarks" / "gpu_check.py", "--cpu-smoke", "--out",
+                                                    str(tmp_path)), cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("train_eager", "train_compiled", "decode_b1", "decode_b8", "decode_eager_b1", "decode_eager_b8",
@@ -1805,11 +1874,12 @@ def test_an_option_that_loses_the_device_at_its_first_run_keeps_the_eager_target
     assert "illegal memory access" in eager["errors"]["standard (bf16 stream)"]
 
 
-def test_phase1_in_one_kernel_losing_the_device_at_its_first_run_keeps_batch_1s_targets_rows(monkeypatch):
+def test_phase1_in_one_kernel_losing_the_device_at_its_first_run_keeps_every_batchs_targets_rows(monkeypatch):
     """As in the eager part: Block's decode step with Phase 1 in one kernel (not run on a GPU
     yet) losing the device at its first run at batch 1 lost that batch's rows - the decode
-    target's. The standard model's and Block's steps are run and timed first: batch 1's
-    rows of theirs are kept, the failure recorded, and the part ends there."""
+    target's - and, run before batch 8's, those too. The standard model's and Block's steps
+    of every batch are run and timed first: their rows are kept, the failure recorded, and
+    the part ends there (until 2026-12-07 batch 8's targets came after batch 1's other steps)."""
     pytest.importorskip("triton")
     import gpu_check
 
@@ -1824,9 +1894,10 @@ def test_phase1_in_one_kernel_losing_the_device_at_its_first_run_keeps_batch_1s_
     monkeypatch.setattr(gpu_check, "phase1_in_one_kernel", losing_kernel)
     models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
     decode = gpu_check.part_decode(gpu_check.SMOKE, gpu_check.Clock("cpu", strict=False), models, "cpu")
-    assert set(decode) == {"b1", "errors"} and len(lost) == 1
-    assert {mode: set(rows) for mode, rows in decode["b1"].items()} == {"eager": {"standard", "block"},
-                                                                       "graphed": {"standard", "block"}}
+    assert set(decode) == {"b1", "b8", "errors"} and len(lost) == 1
+    for batch in ("b1", "b8"):
+        assert {mode: set(rows) for mode, rows in decode[batch].items()} == {"eager": {"standard", "block"},
+                                                                            "graphed": {"standard", "block"}}
     assert set(decode["errors"]) == {f"b1 {gpu_check.ONE_KERNEL}|graphed"}
 
 
@@ -1907,6 +1978,65 @@ def test_full_losing_the_device_at_its_compile_keeps_the_compiled_targets_rows(m
     assert list(compiled["ms"]) == list(compiled["compile_s"]) == ["standard", "block"]
     assert set(compiled["profile"]) == {"standard", "block"}
     assert set(compiled["errors"]) == {"full"} and ILLEGAL in compiled["errors"]["full"]
+
+
+def test_the_compiled_parts_targets_rows_are_in_the_files_before_fulls_compile(monkeypatch, tmp_path):
+    """The files were written before and after each part only: a run its time limit killed in
+    the compiled part - Full's compile, the last of minutes of compiling, running past the
+    deadline - lost the compiled targets' rows measured before it. A part hands its rows as
+    it measures each group (:meth:`Clock.measured`: the compiled part's targets before Full's
+    compile, the eager part's, decode's batch 1), and the run writes them, filed as at the
+    part's end and still naming it running."""
+    import gpu_check
+
+    seen = []
+    lenient = gpu_check.Clock("cpu", strict=False)  # (a GPU's clock)
+    lenient.on_measured = lambda rows: seen.append(json.loads(json.dumps(rows, default=str)))
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu")
+    gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
+    assert [set(rows["ms"]) for rows in seen] == [{"standard", "block"}, {"standard", "block", "full"}]
+    assert set(seen[0]["compile_s"]) == set(seen[0]["profile"]) == {"standard", "block"}
+    seen.clear()
+    gpu_check.part_decode(gpu_check.SMOKE, lenient, models, "cpu")
+    assert [sorted(rows) for rows in seen] == [["b1", "errors"], *[["b1", "b8", "errors"]] * 3]
+
+    in_files = {}
+
+    def run_part(part, z, clock, *args):  # (the rows of the targets' group, then killed in Full's compile)
+        clock.measured({"errors": {"profile": "a traceback"}, "dropped": {}, "compile_s": {"standard": 1.0},
+                        "warm_up_s": 1.0, "ms": {"standard": 100.0, "block": 103.0}, "profile": {}})
+        in_files.update(summary=json.loads((tmp_path / "summary.json").read_text()),
+                        md=(tmp_path / "gpu_check.md").read_text())
+        raise KeyboardInterrupt
+
+    _fake_gpu(monkeypatch, gpu_check, run_part)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--out", str(tmp_path), "--no-peers", "--parts", "train_compiled"])
+    summary = in_files["summary"]
+    assert summary["train_compiled"] == pytest.approx(1.03) and summary["met"]["train_compiled"]
+    assert summary["running"]["part"] == "train_compiled" and summary["errors"] == ["train_compiled.profile"]
+    assert "## train_compiled" in in_files["md"] and "Still running train_compiled" in in_files["md"]
+
+
+def test_rows_so_far_that_cannot_be_written_keep_the_part_going(monkeypatch):
+    """Writing a part's rows so far (:meth:`Clock.measured`) that fails - a full disk - is
+    said in the log and the part measures on (its end writes them again): on a GPU's clock
+    it does not fail the part, whose rows would be lost with it; on the smoke's it raises."""
+    import gpu_check
+
+    def full_disk(rows):
+        raise OSError(28, "No space left on device")
+
+    models = {"standard": torch.nn.Linear(2, 2)}
+    monkeypatch.setattr(gpu_check, "decode_steps", lambda *args: {"eager": lambda: None, "graphed": lambda: None})
+    lenient = gpu_check.Clock("cpu", strict=False)  # (a GPU's clock)
+    lenient.on_measured = full_disk
+    decode = gpu_check.part_decode(gpu_check.SMOKE, lenient, models, "cpu")
+    assert set(decode) == {"b1", "b8", "errors"} and not decode["errors"]
+    strict = gpu_check.Clock("cpu")
+    strict.on_measured = full_disk
+    with pytest.raises(OSError):
+        gpu_check.part_decode(gpu_check.SMOKE, strict, models, "cpu")
 
 
 def test_full_compiled_after_the_targets_timing_is_timed_beside_the_standard_model_within_the_deadline(monkeypatch):
