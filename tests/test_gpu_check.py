@@ -1317,6 +1317,32 @@ def test_the_compiled_part_without_full_has_the_time_to_compile_block_after_the_
     assert list(kept) == ["standard", "block"] and not dropped
 
 
+def test_block_compiles_after_a_slow_standard_compile_without_the_margin(monkeypatch):
+    """A standard model's compile of 90 s with 202 s left (a warm-up of 154 s and the eager
+    parts before): Block needs the standard model's 90 s and the timing, 110 s of the 112
+    left - with the margin (128 s) it was dropped, and the 90 s bought a ratio-less row.
+    Full, after them, keeps the margin."""
+    import gpu_check
+
+    now = [0.0]
+    monkeypatch.setattr(gpu_check, "time", type("T", (), {"perf_counter": staticmethod(lambda: now[0])}))
+
+    def compiling(seconds):
+        def step():
+            now[0] += seconds
+        return step
+
+    clock = gpu_check.Clock("cpu", deadline=202.0)
+    kept, seconds, dropped = gpu_check.compile_within(
+        {"standard": compiling(90), "block": compiling(100)}, clock, {})
+    assert list(kept) == ["standard", "block"] and not dropped
+    now[0] = 0.0
+    clock = gpu_check.Clock("cpu", deadline=221.0)  # Full after both: 1.2 x 100 + 20 > 221 - 90 - 100
+    kept, seconds, dropped = gpu_check.compile_within(
+        {"standard": compiling(90), "block": compiling(100), "full": compiling(100)}, clock, {})
+    assert list(kept) == ["standard", "block"] and set(dropped) == {"full"}
+
+
 def test_the_files_are_written_when_the_summary_or_tables_fail(tmp_path):
     """A result the summary or the tables cannot read (a part's result without a key) still
     leaves every number in ``gpu_check.json`` and a summary saying what failed; the smoke
