@@ -328,3 +328,48 @@ def test_a_model_with_a_compiled_part_saves_and_resumes_under_its_own_names(tmp_
         for name, p in other.named_parameters():
             assert torch.equal(p, own[uncompiled_name(name)]), name
             assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])
+
+
+def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_names(tmp_path, monkeypatch):
+    """An earlier version's ``save_sharded`` stored the names its caller passed (before
+    ``by_own_names``): a model with a compiled block wrote ``model.layers.0._orig_mod.<name>``
+    and ``optim.layers.0._orig_mod.<name>.exp_avg``. Since ``load_sharded`` asks DCP for the
+    own names, such a checkpoint loaded neither into a model with nothing compiled nor into
+    one with the same block compiled (DCP: missing keys). It loads into both, the optimiser
+    state too, and ``consolidate`` writes the own names."""
+    from attnres.checkpoint import consolidate, load_sharded, sharded
+    from attnres.nn.compiled import uncompiled_name
+    from safetensors.torch import load_file
+
+    config = load_config(None, ["model.d_model=32", "seq_len=16", "batch_size=2", "steps=4", "progress=false"])
+
+    def trained(compiled: bool):
+        torch.manual_seed(0)
+        model = AttnResLM(config.model)
+        if compiled:
+            model.layers[0] = torch.compile(model.layers[0])  # (compiled at its first call: never here)
+        optimizer = build_optimizer(model, config)
+        for p in model.parameters():  # (one optimiser step: state to store)
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = trained(True)
+    with monkeypatch.context() as old_version, warnings.catch_warnings():
+        old_version.setattr(sharded, "by_own_names", lambda named, who: dict(named))  # (the names as passed)
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        path = save_sharded(tmp_path / "run", 1, dict(model.named_parameters()), optimizer,
+                            {"config": config.to_dict()}, keep=1)
+    stored = [*read_sharded_tensors(path), *read_sharded_tensors(path, "optim.")]
+    assert any(name.startswith("layers.0._orig_mod.") for name in stored), stored  # (the old names)
+    own = {uncompiled_name(n): p for n, p in model.named_parameters()}
+    for compiled in (False, True):
+        other, other_optimizer = trained(compiled)
+        for p in other.parameters():
+            p.data.zero_()
+        load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
+        for name, p in other.named_parameters():
+            assert torch.equal(p, own[uncompiled_name(name)]), name
+            assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])
+    written = load_file(str(consolidate(path, tmp_path / "out")))
+    assert written.keys() == {uncompiled_name(n) for n, _ in model.named_parameters()}

@@ -74,6 +74,10 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     for idx, entry in meta["scalars"].items():
         state.setdefault(int(idx), {}).update(entry)
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    # (an earlier version stored a compiled model's optimiser's names with torch.compile's
+    # '_orig_mod.', which torch gives the loading optimiser: read as the weights' own names)
+    groups = [{**g, "param_names": tuple(uncompiled_name(n) for n in g["param_names"])} if "param_names" in g else g
+              for g in groups]
     return {"state": state, "param_groups": groups}
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights
 from .residual import refuse_residual_change, residual_hint
-from ..nn.compiled import by_own_names, uncompiled
+from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
            "verify_dcp_files"]
@@ -221,11 +221,20 @@ def verify_dcp_files(path: str | Path, state: dict[str, Any]) -> None:
                                   "must be on a file system every node shares)")
 
 
+def _as_stored(sd: dict[str, Tensor], stored: Mapping[str, object]) -> dict[str, Tensor]:
+    """``sd`` (keyed by the weights' own names) under the keys the checkpoint holds (``stored``):
+    an earlier version's ``save_sharded`` stored the names its caller passed, a compiled part's
+    with ``torch.compile``'s ``_orig_mod.`` (``model.layers.0._orig_mod.<name>``,
+    ``optim.layers.0._orig_mod.<name>.exp_avg``), which DCP, asked for the own names, did not find."""
+    theirs = {uncompiled_name(key): key for key in stored}
+    return {key if key in stored else theirs.get(key, key): value for key, value in sd.items()}
+
+
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
                  restore_rng: bool = True) -> None:
     """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout; a compiled
-    part's ``_orig_mod.`` names are read as their own) and ``optimizer`` in place: each rank
-    reads its own shards. Every rank calls this."""
+    part's ``_orig_mod.`` names are read as their own, and so are those an earlier version
+    stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -233,8 +242,8 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
-    sd = _state_dict(params, optimizer)
     reader = _reader(path)
+    sd = _as_stored(_state_dict(params, optimizer), reader.read_metadata().state_dict_metadata)
     try:
         with torch.no_grad(), _one_process_quietly():
             dcp.load(sd, storage_reader=reader)
