@@ -290,44 +290,55 @@ def test_sharded_weights_load_into_a_model_with_a_compiled_part(tmp_path):
     assert all(torch.equal(held[k], v) for k, v in read_sharded_tensors(path).items())
 
 
+COMPILED_PART_CONFIG = ["model.d_model=32", "seq_len=16", "batch_size=2", "steps=4", "progress=false"]
+
+
+def one_step_trained(compiled: bool):
+    """A tiny model after one optimiser step (state to store), its first block compiled or not
+    (``model.layers[0] = torch.compile(model.layers[0])``, compiled at its first call: never here)."""
+    config = load_config(None, COMPILED_PART_CONFIG)
+    torch.manual_seed(0)
+    model = AttnResLM(config.model)
+    if compiled:
+        model.layers[0] = torch.compile(model.layers[0])
+    optimizer = build_optimizer(model, config)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    return model, optimizer, config
+
+
+def loads_as_saved(path: Path, model, optimizer, compiled: bool) -> None:
+    """``load_sharded`` of ``path`` into a zeroed model (compiled or not) gives the weights and
+    optimiser state of ``model``, name for own name."""
+    from attnres.checkpoint import load_sharded
+    from attnres.nn.compiled import uncompiled_name
+
+    own = {uncompiled_name(n): p for n, p in model.named_parameters()}
+    other, other_optimizer, _ = one_step_trained(compiled)
+    for p in other.parameters():
+        p.data.zero_()
+    load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
+    for name, p in other.named_parameters():
+        assert torch.equal(p, own[uncompiled_name(name)]), name
+        assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])
+
+
 def test_a_model_with_a_compiled_part_saves_and_resumes_under_its_own_names(tmp_path):
     """``save_sharded`` stored the names its caller passed: a model with a compiled block
     (``model.layers[0] = torch.compile(model.layers[0])``) wrote ``model.layers.0._orig_mod.<name>``
     and ``optim.layers.0._orig_mod.<name>.exp_avg``, which a resume with nothing compiled could
     not find (nor the other way round). They are stored under their own names, as
     ``write_checkpoint`` stores them, and ``load_sharded`` reads a compiled part's names so."""
-    from attnres.checkpoint import load_sharded
-    from attnres.nn.compiled import uncompiled_name
-
-    config = load_config(None, ["model.d_model=32", "seq_len=16", "batch_size=2", "steps=4", "progress=false"])
-
-    def trained(compiled: bool):
-        torch.manual_seed(0)
-        model = AttnResLM(config.model)
-        if compiled:
-            model.layers[0] = torch.compile(model.layers[0])  # (compiled at its first call: never here)
-        optimizer = build_optimizer(model, config)
-        for p in model.parameters():  # (one optimiser step: state to store)
-            p.grad = torch.ones_like(p)
-        optimizer.step()
-        return model, optimizer
-
     for saved_compiled in (True, False):
-        model, optimizer = trained(saved_compiled)
+        model, optimizer, config = one_step_trained(saved_compiled)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
             path = save_sharded(tmp_path / f"run-{saved_compiled}", 1, dict(model.named_parameters()), optimizer,
                                 {"config": config.to_dict()}, keep=1)
         stored = [*read_sharded_tensors(path), *read_sharded_tensors(path, "optim.")]
         assert stored and not any("_orig_mod" in name for name in stored), stored
-        own = {uncompiled_name(n): p for n, p in model.named_parameters()}
-        other, other_optimizer = trained(not saved_compiled)
-        for p in other.parameters():
-            p.data.zero_()
-        load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
-        for name, p in other.named_parameters():
-            assert torch.equal(p, own[uncompiled_name(name)]), name
-            assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])
+        loads_as_saved(path, model, optimizer, not saved_compiled)
 
 
 def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_names(tmp_path, monkeypatch):
@@ -337,24 +348,11 @@ def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_n
     own names, such a checkpoint loaded neither into a model with nothing compiled nor into
     one with the same block compiled (DCP: missing keys). It loads into both, the optimiser
     state too, and ``consolidate`` writes the own names."""
-    from attnres.checkpoint import consolidate, load_sharded, sharded
+    from attnres.checkpoint import consolidate, sharded
     from attnres.nn.compiled import uncompiled_name
     from safetensors.torch import load_file
 
-    config = load_config(None, ["model.d_model=32", "seq_len=16", "batch_size=2", "steps=4", "progress=false"])
-
-    def trained(compiled: bool):
-        torch.manual_seed(0)
-        model = AttnResLM(config.model)
-        if compiled:
-            model.layers[0] = torch.compile(model.layers[0])  # (compiled at its first call: never here)
-        optimizer = build_optimizer(model, config)
-        for p in model.parameters():  # (one optimiser step: state to store)
-            p.grad = torch.ones_like(p)
-        optimizer.step()
-        return model, optimizer
-
-    model, optimizer = trained(True)
+    model, optimizer, config = one_step_trained(True)
     with monkeypatch.context() as old_version, warnings.catch_warnings():
         old_version.setattr(sharded, "by_own_names", lambda named, who: dict(named))  # (the names as passed)
         warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
@@ -362,14 +360,7 @@ def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_n
                             {"config": config.to_dict()}, keep=1)
     stored = [*read_sharded_tensors(path), *read_sharded_tensors(path, "optim.")]
     assert any(name.startswith("layers.0._orig_mod.") for name in stored), stored  # (the old names)
-    own = {uncompiled_name(n): p for n, p in model.named_parameters()}
     for compiled in (False, True):
-        other, other_optimizer = trained(compiled)
-        for p in other.parameters():
-            p.data.zero_()
-        load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
-        for name, p in other.named_parameters():
-            assert torch.equal(p, own[uncompiled_name(name)]), name
-            assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])
+        loads_as_saved(path, model, optimizer, compiled)
     written = load_file(str(consolidate(path, tmp_path / "out")))
     assert written.keys() == {uncompiled_name(n) for n, _ in model.named_parameters()}
