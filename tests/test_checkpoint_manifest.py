@@ -154,3 +154,72 @@ def test_a_step_the_run_never_checkpointed_is_named_with_those_it_did(tmp_path):
         read_checkpoint_state(tmp_path / "run" / "checkpoints" / "step-00001000")
     with pytest.raises(CheckpointError, match=r"'.*elsewhere' does not exist$"):
         read_checkpoint_state(tmp_path / "elsewhere")
+
+
+def _written(tmp_path: Path, step: int, keep: int, *, sharded: bool = False) -> Path:
+    """A checkpoint of step ``step`` of a tiny module in ``tmp_path / "run"``, consolidated or sharded."""
+    import warnings
+
+    from attnres.checkpoint import save_sharded
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    if not sharded:
+        return write_checkpoint(tmp_path / "run", step, model.state_dict(), opt.state_dict(), {}, keep=keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        return save_sharded(tmp_path / "run", step, dict(model.named_parameters()), opt, {}, keep=keep)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_older_than_the_runs_newest_is_not_rotated_away_as_it_is_written(tmp_path, sharded):
+    """The ``keep`` rotation kept the newest checkpoints by step: a checkpoint written into a
+    directory that holds a newer one (a run resumed from an earlier step through the Python
+    API, without ``set_aside_newer``) was deleted as soon as it was published, and
+    ``write_checkpoint`` returned a path that did not exist. The rotation keeps the newest
+    ``keep`` up to the step written; a newer one is left."""
+    from attnres.checkpoint import checkpoint_dirs
+
+    _written(tmp_path, 5, keep=1, sharded=sharded)
+    _written(tmp_path, 1, keep=1, sharded=sharded)
+    path = _written(tmp_path, 3, keep=1, sharded=sharded)
+    assert path.is_dir() and read_checkpoint_state(path)["step"] == 3
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000003", "step-00000005"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoints_files_and_its_rename_reach_the_disk_before_the_rotation(tmp_path, monkeypatch, sharded):
+    """Only ``state.json`` was flushed (fsync) before the rename that publishes a checkpoint:
+    the weights, the optimiser state and the rename itself could still be in memory when the
+    rotation deleted the checkpoint before it, so a power cut could leave a run whose only
+    checkpoint is empty files. Every file it lists, its folders and the rename are flushed
+    before any older checkpoint is deleted."""
+    import os
+    import shutil
+
+    from attnres.checkpoint import manifest
+
+    _written(tmp_path, 1, keep=1, sharded=sharded)
+    events: list[str] = []
+    real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+    def fsync(fd):
+        events.append("fsync " + os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def rmtree(path, *args, **kwargs):
+        events.append(f"rmtree {path}")
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(manifest.os, "fsync", fsync)
+    monkeypatch.setattr(manifest.shutil, "rmtree", rmtree)
+    final = _written(tmp_path, 2, keep=1, sharded=sharded)
+    removed = events.index(f"rmtree {tmp_path / 'run' / 'checkpoints' / 'step-00000001'}")
+    flushed = {e.removeprefix("fsync ") for e in events[:removed] if e.startswith("fsync ")}
+    from fnmatch import fnmatch
+
+    unflushed = [name for name in read_checkpoint_state(final)["files"]  # (flushed in the temporary folder)
+                 if not any(fnmatch(f, str(final.parent / f".tmp-{final.name}-*" / name)) for f in flushed)]
+    assert unflushed == [], flushed
+    assert str(final.parent) in flushed  # (the rename)
+
