@@ -223,3 +223,17 @@ def test_a_checkpoints_files_and_its_rename_reach_the_disk_before_the_rotation(t
     assert unflushed == [], flushed
     assert str(final.parent) in flushed  # (the rename)
 
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("keep", [0, -1, 1.5, True])
+def test_a_keep_that_is_not_a_count_of_checkpoints_is_refused_before_writing(tmp_path, sharded, keep):
+    """``keep`` is how many checkpoints the rotation keeps: ``keep=0`` kept every one (a slice
+    ``[:-0]``), ``keep=-1`` deleted the oldest only, ``keep=1.5`` failed after the checkpoint
+    was written (slice indices must be integers). Refused first, naming the argument."""
+    from attnres.checkpoint import checkpoint_dirs
+
+    _written(tmp_path, 1, keep=1, sharded=sharded)
+    who = "save_sharded" if sharded else "write_checkpoint"
+    with pytest.raises(ValueError, match=rf"^{who}: keep must be an integer >= 1, got {keep!r}$"):
+        _written(tmp_path, 2, keep=keep, sharded=sharded)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000001"]

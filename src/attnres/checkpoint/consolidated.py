@@ -44,7 +44,7 @@ from .manifest import restore_rng as _restore_rng
 from .module import load_weights, weight_key
 from .residual import refuse_residual_change, residual_hint
 from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
-from ..validation import check_path_argument
+from ..validation import check_path_argument, check_sizes
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
 
@@ -114,6 +114,7 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     their own names, without ``torch.compile``'s ``_orig_mod.`` (that of
     ``torch.compile(model).state_dict()``, or of a compiled part: ``model._orig_mod.<name>``),
     so that a checkpoint loads alike wherever the loading model is compiled."""
+    check_sizes("write_checkpoint", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
     extra = dict(files or {})
     reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
     if reserved or any(Path(name).name != name for name in extra):

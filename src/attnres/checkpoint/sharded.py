@@ -55,6 +55,7 @@ from .manifest import restore_rng as _restore_rng
 from .module import load_weights
 from .residual import refuse_residual_change, residual_hint
 from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
+from ..validation import check_sizes
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
            "verify_dcp_files"]
@@ -132,6 +133,7 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    check_sizes("save_sharded", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-dcp"
 
