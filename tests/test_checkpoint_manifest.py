@@ -237,3 +237,20 @@ def test_a_keep_that_is_not_a_count_of_checkpoints_is_refused_before_writing(tmp
     with pytest.raises(ValueError, match=rf"^{who}: keep must be an integer >= 1, got {keep!r}$"):
         _written(tmp_path, 2, keep=keep, sharded=sharded)
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000001"]
+
+
+def test_an_optimiser_with_other_parameter_groups_is_named_with_the_checkpoint(tmp_path):
+    """``load_checkpoint`` into an optimiser whose parameter groups differ from the saved one's
+    (another split into groups, a parameter left out) ended in torch's bare ValueError, "loaded
+    state dict has a different number of parameter groups", naming neither the checkpoint nor
+    what differs. A CheckpointError names the file, both group sizes and the fix."""
+    ckpt = _write(tmp_path)
+    model = nn.Linear(3, 2)
+    for groups, ours in (([{"params": [model.weight]}, {"params": [model.bias]}], r"\[1, 1\]"),
+                         ([model.weight], r"\[1\]")):
+        with pytest.raises(CheckpointError, match=rf"checkpoint '.*step-00000001': its optimizer.safetensors is the "
+                                                  rf"state of an optimiser whose parameter groups hold \[2\] parameters; "
+                                                  rf"this optimiser's hold {ours}: build the optimiser as the run .*, or "
+                                                  r"load the weights alone \(optimizer=None\)"):
+            load_checkpoint(ckpt, model, torch.optim.AdamW(groups), restore_rng=False)
+    load_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters()), restore_rng=False)

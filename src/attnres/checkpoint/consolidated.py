@@ -149,6 +149,21 @@ def read_optimizer_state(path: str | Path, doc: dict[str, Any]) -> dict[str, Any
     return _join_optimizer_state(load_file(str(Path(path) / OPTIMIZER_FILE)), doc["optimizer"])
 
 
+def _fitting_optimizer_state(path: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``saved`` (a checkpoint's optimiser state), or :class:`CheckpointError` naming the file
+    and the fix where ``optimizer`` has other parameter groups: torch's own ValueError ("loaded
+    state dict has a different number of parameter groups") named neither."""
+    theirs = [len(g["params"]) for g in saved["param_groups"]]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs != ours:
+        raise CheckpointError(f"checkpoint {str(path)!r}: its {OPTIMIZER_FILE} is the state of an optimiser whose "
+                              f"parameter groups hold {theirs} parameters; this optimiser's hold {ours}: build the "
+                              "optimiser as the run that wrote it did (attnres train's: "
+                              "attnres.train.build_optimizer(model, config)), or load the weights alone "
+                              "(optimizer=None)")
+    return saved
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     restore_rng: bool = True, verified: dict[str, Any] | None = None, *,
                     allow_residual_change: bool = False) -> dict[str, Any]:
@@ -169,7 +184,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     try:
         load_weights(path, model, load_file(str(path / MODEL_FILE)))
         if optimizer is not None:
-            optimizer.load_state_dict(read_optimizer_state(path, doc))
+            optimizer.load_state_dict(_fitting_optimizer_state(path, read_optimizer_state(path, doc), optimizer))
         if restore_rng:
             _restore_rng(path)
     except CheckpointError as e:  # weights that do not fit: of a model with another residual, said so
