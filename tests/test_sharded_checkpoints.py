@@ -364,3 +364,22 @@ def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_n
         loads_as_saved(path, model, optimizer, compiled)
     written = load_file(str(consolidate(path, tmp_path / "out")))
     assert written.keys() == {uncompiled_name(n) for n, _ in model.named_parameters()}
+
+
+def test_sharded_weights_given_no_state_are_verified_first(tmp_path):
+    """``load_sharded_weights(path, model)`` read the DCP files as they were: a shard with one
+    byte changed (a copy cut short or damaged) loaded its wrong weights without a word, where
+    ``load_checkpoint`` verifies a consolidated one. Without the caller's verified ``state`` it
+    verifies the checkpoint (every file's SHA-256) and names the file."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_sharded_weights, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    shard = next((path / "dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is corrupted: dcp/{shard.name} does not match its "
+                                              r"SHA-256 in state.json"):
+        load_sharded_weights(path, model)

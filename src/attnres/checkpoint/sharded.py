@@ -48,6 +48,7 @@ from .manifest import (
     checkpoint_path,
     describe_failure,
     publish_checkpoint,
+    read_checkpoint_state,
     rng_state,
     write_failure,
 )
@@ -280,7 +281,11 @@ def load_sharded_weights(path: str | Path, model: nn.Module, state: dict[str, An
     tells its residual (an ``AttnResLM``) and it is not the one the checkpoint's run config
     stores while the weights fit, unless ``allow_residual_change``
     (:func:`attnres.checkpoint.load_checkpoint`'s rule). ``state``: its ``state.json``, where
-    the caller has read it."""
+    the caller has verified the checkpoint (:func:`~attnres.checkpoint.read_checkpoint_state`);
+    without it the checkpoint is verified here, as ``load_checkpoint`` verifies one."""
+    if state is None:  # (a shard cut short or damaged loaded as it was, without a word)
+        state = read_checkpoint_state(path)
+        verify_dcp_files(path, state)
     model = uncompiled(model)
     refuse_residual_change(path, state, model, allow_residual_change)
     try:
