@@ -383,3 +383,24 @@ def test_sharded_weights_given_no_state_are_verified_first(tmp_path):
     with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is corrupted: dcp/{shard.name} does not match its "
                                               r"SHA-256 in state.json"):
         load_sharded_weights(path, model)
+
+
+def test_weights_of_another_size_are_named_with_the_checkpoint(tmp_path):
+    """``load_sharded_weights`` into a model of another width ended in load_state_dict's bare
+    RuntimeError, a line per weight ("size mismatch for embed_tokens.weight: ..."), naming
+    neither the checkpoint nor what to do; ``load_checkpoint`` wrapped those lines. Both say
+    the checkpoint, the first weights that differ, and to build the model with its config."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_checkpoint, load_sharded_weights, read_checkpoint_state, save_checkpoint
+
+    path = sharded_checkpoint(tmp_path / "run")
+    saved = ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"])
+    wider = AttnResLM(ModelConfig.from_dict({**saved.to_dict(), "d_model": 2 * saved.d_model}))
+    model = AttnResLM(saved)
+    consolidated = save_checkpoint(tmp_path / "one", 1, model, torch.optim.AdamW(model.parameters()), {}, keep=1)
+    for where, load in ((path, lambda: load_sharded_weights(path, wider)),
+                        (consolidated, lambda: load_checkpoint(consolidated, wider, restore_rng=False))):
+        with pytest.raises(CheckpointError, match=rf"^checkpoint '{where}' does not fit the model: \d+ weight\(s\) have "
+                                                  rf"other shapes \(embed_tokens.weight \[256, 32\] there, \[256, 64\] "
+                                                  r"here; .*\): build the model with the checkpoint's config"):
+            load()
