@@ -6,6 +6,7 @@ file is read that the manifest does not vouch for."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,29 @@ def test_an_optimiser_with_other_parameter_groups_is_named_with_the_checkpoint(t
                                                   r"load the weights alone \(optimizer=None\)"):
             load_checkpoint(ckpt, model, torch.optim.AdamW(groups), restore_rng=False)
     load_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters()), restore_rng=False)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("name", ["../escape", "..", "", "rng.safetensors", "state.json"])
+def test_a_stored_file_that_is_not_a_plain_name_of_its_own_is_refused_before_writing(tmp_path, sharded, name):
+    """``save_sharded(..., files=...)`` wrote each file where its name led: ``../escape`` beside
+    the checkpoint (outside what its manifest vouches for), ``rng.safetensors`` over the RNG
+    states; ``write_checkpoint`` refused those but took ``..`` and ``""`` (then failed as a write
+    error). Both refuse them before writing, naming the name and their own files."""
+    import warnings
+
+    from attnres.checkpoint import checkpoint_dirs, save_sharded
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    files = {name: b"x"}
+    who = "save_sharded" if sharded else "write_checkpoint"
+    with pytest.raises(ValueError, match=rf"^{who}: files must be plain file names other than the checkpoint's own "
+                                         rf"\(.*rng.safetensors, state.json\); got {re.escape(repr(name))}$"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+            if sharded:
+                save_sharded(tmp_path / "run", 1, dict(model.named_parameters()), opt, {}, keep=1, files=files)
+            else:
+                write_checkpoint(tmp_path / "run", 1, model.state_dict(), opt.state_dict(), {}, keep=1, files=files)
+    assert checkpoint_dirs(tmp_path / "run") == [] and not (tmp_path / "run" / "checkpoints" / "escape").exists()

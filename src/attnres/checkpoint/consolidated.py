@@ -34,6 +34,7 @@ from .manifest import (
     RNG_FILE,
     STATE_FILE,
     CheckpointError,
+    check_extra_files,
     checkpoint_path,
     publish_checkpoint,
     read_checkpoint_state,
@@ -115,10 +116,7 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     ``torch.compile(model).state_dict()``, or of a compiled part: ``model._orig_mod.<name>``),
     so that a checkpoint loads alike wherever the loading model is compiled."""
     check_sizes("write_checkpoint", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
-    extra = dict(files or {})
-    reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
-    if reserved or any(Path(name).name != name for name in extra):
-        raise ValueError(f"checkpoint files must be plain names other than the checkpoint's own; got {sorted(extra)}")
+    extra = check_extra_files(files, {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE}, "write_checkpoint")
     model_state = by_own_names(model_state, "write_checkpoint")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"

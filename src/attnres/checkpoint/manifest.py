@@ -160,6 +160,19 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def check_extra_files(files: dict[str, bytes] | None, own: set[str], who: str) -> dict[str, bytes]:
+    """``files`` (name -> content, stored beside a checkpoint's own ``own``), or ``ValueError``
+    naming ``who`` and the names that are not plain file names of the checkpoint directory
+    (``../x`` was written beside it, outside what the manifest vouches for) or are its own."""
+    extra = dict(files or {})
+    bad = sorted(repr(name) for name in extra if not isinstance(name, str) or name in own | {"", ".", ".."}
+                 or Path(name).name != name)
+    if bad:
+        raise ValueError(f"{who}: files must be plain file names other than the checkpoint's own "
+                         f"({', '.join(sorted(own))}); got {', '.join(bad)}")
+    return extra
+
+
 def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head: dict, tail: dict, keep: int) -> None:
     """The last steps of every checkpoint writer: hash ``names`` (files under ``tmp``) into
     the state file ``{**head, "files": ..., **tail}``, flush every file to the disk, move

@@ -43,8 +43,10 @@ from torch import Tensor, nn
 from .manifest import (
     FORMAT_VERSION,
     RNG_FILE,
+    STATE_FILE,
     CheckpointError,
     CheckpointWriteError,
+    check_extra_files,
     checkpoint_path,
     describe_failure,
     publish_checkpoint,
@@ -135,6 +137,7 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     from torch.distributed.checkpoint.api import CheckpointException
 
     check_sizes("save_sharded", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
+    files = check_extra_files(files, {DCP_DIR, RNG_FILE, STATE_FILE}, "save_sharded")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-dcp"
 
