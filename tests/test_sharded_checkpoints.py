@@ -404,3 +404,21 @@ def test_weights_of_another_size_are_named_with_the_checkpoint(tmp_path):
                                                   rf"other shapes \(embed_tokens.weight \[256, 32\] there, \[256, 64\] "
                                                   r"here; .*\): build the model with the checkpoint's config"):
             load()
+
+
+def test_load_checkpoint_of_a_sharded_checkpoint_loads_its_weights_and_names_the_optimisers_loader(tmp_path):
+    """``load_checkpoint(path, model)`` - the loader docs/inference.md names for a model one
+    built - of a sharded checkpoint ended in a bare FileNotFoundError (no model.safetensors).
+    It loads the weights (verified, as ``load_sharded_weights``); given an optimiser, whose
+    state a sharded checkpoint keeps by name, it names ``load_sharded``."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_checkpoint, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    assert load_checkpoint(path, model, restore_rng=False)["step"] == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in read_sharded_tensors(path).items())
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is sharded \(DCP, written on several ranks\): "
+                                              r"load_checkpoint loads its weights alone \(optimizer=None\); its "
+                                              r"optimiser state loads with attnres.checkpoint.load_sharded\(path, "):
+        load_checkpoint(path, model, torch.optim.AdamW(model.parameters()), restore_rng=False)

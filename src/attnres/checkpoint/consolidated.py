@@ -44,6 +44,7 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights, weight_key
 from .residual import refuse_residual_change, residual_hint
+from .sharded import is_sharded, load_sharded_weights
 from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
 from ..validation import check_path_argument, check_sizes
 
@@ -162,6 +163,20 @@ def _fitting_optimizer_state(path: Path, saved: dict[str, Any], optimizer: torch
     return saved
 
 
+def _load_sharded_weights(path: Path, doc: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                          restore_rng: bool, allow_residual_change: bool) -> None:
+    """:func:`load_checkpoint` of a sharded checkpoint: its weights (and the CPU generator's
+    state), or :class:`CheckpointError` where an optimiser is given, whose state it keeps by
+    parameter name for :func:`~attnres.checkpoint.load_sharded`."""
+    if optimizer is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} is sharded (DCP, written on several ranks): load_checkpoint "
+                              "loads its weights alone (optimizer=None); its optimiser state loads with "
+                              "attnres.checkpoint.load_sharded(path, dict(model.named_parameters()), optimizer)")
+    load_sharded_weights(path, model, doc, allow_residual_change=allow_residual_change)
+    if restore_rng:
+        _restore_rng(path, cuda=False)
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     restore_rng: bool = True, verified: dict[str, Any] | None = None, *,
                     allow_residual_change: bool = False) -> dict[str, Any]:
@@ -171,13 +186,17 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     again). A model that tells its residual (an ``AttnResLM``) whose residual is not the one
     the checkpoint's run config stores while the weights fit (Full vs Block AttnRes, another
     block size) is refused (:class:`CheckpointError` naming both) unless
-    ``allow_residual_change``."""
+    ``allow_residual_change``. A sharded checkpoint's weights load too
+    (:func:`~attnres.checkpoint.load_sharded_weights`), without an optimiser."""
     check_path_argument(path, "load_checkpoint(path, model, optimizer=None, ...)", "a checkpoint directory (step-*)")
     if not isinstance(model, nn.Module):  # (a state dict there failed deep in the load)
         raise TypeError(f"load_checkpoint: model must be the nn.Module to load into, got {type(model).__name__}")
     model = uncompiled(model)  # (its weights, under the names the checkpoint stores)
     path = Path(path)
     doc = verified if verified is not None else read_checkpoint_state(path)
+    if is_sharded(doc):  # (no model.safetensors: a bare FileNotFoundError)
+        _load_sharded_weights(path, doc, model, optimizer, restore_rng, allow_residual_change)
+        return doc
     refuse_residual_change(path, doc, model, allow_residual_change)
     try:
         load_weights(path, model, load_file(str(path / MODEL_FILE)))
