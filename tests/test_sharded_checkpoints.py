@@ -348,7 +348,7 @@ def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_n
     own names, such a checkpoint loaded neither into a model with nothing compiled nor into
     one with the same block compiled (DCP: missing keys). It loads into both, the optimiser
     state too, and ``consolidate`` writes the own names."""
-    from attnres.checkpoint import consolidate, sharded
+    from attnres.checkpoint import consolidate, load_sharded_weights, sharded
     from attnres.nn.compiled import uncompiled_name
     from safetensors.torch import load_file
 
@@ -362,6 +362,11 @@ def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_n
     assert any(name.startswith("layers.0._orig_mod.") for name in stored), stored  # (the old names)
     for compiled in (False, True):
         loads_as_saved(path, model, optimizer, compiled)
+    whole, _, _ = one_step_trained(False)  # (and the weights alone, as load_run reads them)
+    for p in whole.parameters():
+        p.data.zero_()
+    load_sharded_weights(path, whole)
+    assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), model.parameters()))
     written = load_file(str(consolidate(path, tmp_path / "out")))
     assert written.keys() == {uncompiled_name(n) for n, _ in model.named_parameters()}
 
