@@ -152,8 +152,14 @@ def remove_partial_checkpoints(out_dir: str | Path) -> list[Path]:
 def _fsync(path: Path) -> None:
     """Flush file or directory ``path`` to the disk: a rename is durable before the data it
     names, so a power cut after publishing could leave a checkpoint of empty files while the
-    rotation had already deleted the one before it."""
-    fd = os.open(path, os.O_RDONLY)
+    rotation had already deleted the one before it. A directory a platform does not open
+    (Windows) is left to it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (PermissionError, IsADirectoryError):
+        if path.is_dir():
+            return
+        raise
     try:
         os.fsync(fd)
     finally:
