@@ -281,3 +281,21 @@ def test_a_stored_file_that_is_not_a_plain_name_of_its_own_is_refused_before_wri
             else:
                 write_checkpoint(tmp_path / "run", 1, model.state_dict(), opt.state_dict(), {}, keep=1, files=files)
     assert checkpoint_dirs(tmp_path / "run") == [] and not (tmp_path / "run" / "checkpoints" / "escape").exists()
+
+
+def test_a_platform_that_does_not_open_directories_still_writes_checkpoints(tmp_path, monkeypatch):
+    """Flushing a checkpoint's folders opens them (``os.open(dir)``), which Windows refuses
+    (PermissionError): the checkpoint is written all the same, its files flushed."""
+    import os
+
+    from attnres.checkpoint import manifest
+
+    real_open = os.open
+
+    def no_directories(path, flags, *args, **kwargs):
+        if Path(path).is_dir():
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(manifest.os, "open", no_directories)
+    assert read_checkpoint_state(_written(tmp_path, 1, keep=1))["step"] == 1
