@@ -163,8 +163,8 @@ def _fitting_optimizer_state(path: Path, saved: dict[str, Any], optimizer: torch
     return saved
 
 
-def _load_sharded_weights(path: Path, doc: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                          restore_rng: bool, allow_residual_change: bool) -> None:
+def _load_sharded_checkpoint(path: Path, doc: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                             restore_rng: bool, allow_residual_change: bool) -> None:
     """:func:`load_checkpoint` of a sharded checkpoint: its weights (and the CPU generator's
     state), or :class:`CheckpointError` where an optimiser is given, whose state it keeps by
     parameter name for :func:`~attnres.checkpoint.load_sharded`."""
@@ -195,7 +195,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     doc = verified if verified is not None else read_checkpoint_state(path)
     if is_sharded(doc):  # (no model.safetensors: a bare FileNotFoundError)
-        _load_sharded_weights(path, doc, model, optimizer, restore_rng, allow_residual_change)
+        _load_sharded_checkpoint(path, doc, model, optimizer, restore_rng, allow_residual_change)
         return doc
     refuse_residual_change(path, doc, model, allow_residual_change)
     try:
