@@ -427,3 +427,27 @@ def test_load_checkpoint_of_a_sharded_checkpoint_loads_its_weights_and_names_the
                                               r"load_checkpoint loads its weights alone \(optimizer=None\); its "
                                               r"optimiser state loads with attnres.checkpoint.load_sharded\(path, "):
         load_checkpoint(path, model, torch.optim.AdamW(model.parameters()), restore_rng=False)
+
+
+def test_a_checkpoint_written_before_the_first_step_resumes_with_a_fresh_optimiser(tmp_path):
+    """A sharded checkpoint written before the optimiser's first step (the state a run starts
+    from, saved through the Python API) holds no optimiser state: ``load_sharded`` with an
+    optimiser asked DCP for every entry ('Missing key in checkpoint state_dict:
+    optim.<name>.exp_avg'). It loads the weights and leaves the optimiser fresh, as it was
+    saved: the next step is the first step of the run that wrote it."""
+    from attnres.checkpoint import load_sharded
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        path = save_sharded(tmp_path / "run", 0, dict(model.named_parameters()), optimizer, {}, keep=1)
+    other = torch.nn.Linear(3, 2)  # (other weights)
+    other_optimizer = torch.optim.AdamW(other.parameters())
+    load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
+    assert other_optimizer.state_dict()["state"] == {}
+    for m, opt in ((model, optimizer), (other, other_optimizer)):
+        m(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))

@@ -246,10 +246,15 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
 
     path = Path(path)
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
+    reader = _reader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    if optimizer is not None and not any(key.startswith("optim.") for key in stored):
+        # (written before the optimiser's first step: no state of it to load, where each of its
+        # entries was asked for - 'Missing key optim.<name>.exp_avg' - and the optimiser stays fresh)
+        optimizer = None
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
-    reader = _reader(path)
-    sd = _as_stored(_state_dict(params, optimizer), reader.read_metadata().state_dict_metadata)
+    sd = _as_stored(_state_dict(params, optimizer), stored)
     try:
         with torch.no_grad(), _one_process_quietly():
             dcp.load(sd, storage_reader=reader)
