@@ -6,6 +6,7 @@ file is read that the manifest does not vouch for."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,147 @@ def test_a_step_the_run_never_checkpointed_is_named_with_those_it_did(tmp_path):
         read_checkpoint_state(tmp_path / "run" / "checkpoints" / "step-00001000")
     with pytest.raises(CheckpointError, match=r"'.*elsewhere' does not exist$"):
         read_checkpoint_state(tmp_path / "elsewhere")
+
+
+def _written(tmp_path: Path, step: int, keep: int, *, sharded: bool = False) -> Path:
+    """A checkpoint of step ``step`` of a tiny module in ``tmp_path / "run"``, consolidated or sharded."""
+    import warnings
+
+    from attnres.checkpoint import save_sharded
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    if not sharded:
+        return write_checkpoint(tmp_path / "run", step, model.state_dict(), opt.state_dict(), {}, keep=keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        return save_sharded(tmp_path / "run", step, dict(model.named_parameters()), opt, {}, keep=keep)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_older_than_the_runs_newest_is_not_rotated_away_as_it_is_written(tmp_path, sharded):
+    """The ``keep`` rotation kept the newest checkpoints by step: a checkpoint written into a
+    directory that holds a newer one (a run resumed from an earlier step through the Python
+    API, without ``set_aside_newer``) was deleted as soon as it was published, and
+    ``write_checkpoint`` returned a path that did not exist. The rotation keeps the newest
+    ``keep`` up to the step written; a newer one is left."""
+    from attnres.checkpoint import checkpoint_dirs
+
+    _written(tmp_path, 5, keep=1, sharded=sharded)
+    _written(tmp_path, 1, keep=1, sharded=sharded)
+    path = _written(tmp_path, 3, keep=1, sharded=sharded)
+    assert path.is_dir() and read_checkpoint_state(path)["step"] == 3
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000003", "step-00000005"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoints_files_and_its_rename_reach_the_disk_before_the_rotation(tmp_path, monkeypatch, sharded):
+    """Only ``state.json`` was flushed (fsync) before the rename that publishes a checkpoint:
+    the weights, the optimiser state and the rename itself could still be in memory when the
+    rotation deleted the checkpoint before it, so a power cut could leave a run whose only
+    checkpoint is empty files. Every file it lists, its folders and the rename are flushed
+    before any older checkpoint is deleted."""
+    import os
+    import shutil
+
+    from attnres.checkpoint import manifest
+
+    _written(tmp_path, 1, keep=1, sharded=sharded)
+    events: list[str] = []
+    real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+    def fsync(fd):
+        events.append("fsync " + os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def rmtree(path, *args, **kwargs):
+        events.append(f"rmtree {path}")
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(manifest.os, "fsync", fsync)
+    monkeypatch.setattr(manifest.shutil, "rmtree", rmtree)
+    final = _written(tmp_path, 2, keep=1, sharded=sharded)
+    removed = events.index(f"rmtree {tmp_path / 'run' / 'checkpoints' / 'step-00000001'}")
+    flushed = {e.removeprefix("fsync ") for e in events[:removed] if e.startswith("fsync ")}
+    from fnmatch import fnmatch
+
+    unflushed = [name for name in read_checkpoint_state(final)["files"]  # (flushed in the temporary folder)
+                 if not any(fnmatch(f, str(final.parent / f".tmp-{final.name}-*" / name)) for f in flushed)]
+    assert unflushed == [], flushed
+    assert str(final.parent) in flushed  # (the rename)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("keep", [0, -1, 1.5, True])
+def test_a_keep_that_is_not_a_count_of_checkpoints_is_refused_before_writing(tmp_path, sharded, keep):
+    """``keep`` is how many checkpoints the rotation keeps: ``keep=0`` kept every one (a slice
+    ``[:-0]``), ``keep=-1`` deleted the oldest only, ``keep=1.5`` failed after the checkpoint
+    was written (slice indices must be integers). Refused first, naming the argument."""
+    from attnres.checkpoint import checkpoint_dirs
+
+    _written(tmp_path, 1, keep=1, sharded=sharded)
+    who = "save_sharded" if sharded else "write_checkpoint"
+    with pytest.raises(ValueError, match=rf"^{who}: keep must be an integer >= 1, got {keep!r}$"):
+        _written(tmp_path, 2, keep=keep, sharded=sharded)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000001"]
+
+
+def test_an_optimiser_with_other_parameter_groups_is_named_with_the_checkpoint(tmp_path):
+    """``load_checkpoint`` into an optimiser whose parameter groups differ from the saved one's
+    (another split into groups, a parameter left out) ended in torch's bare ValueError, "loaded
+    state dict has a different number of parameter groups", naming neither the checkpoint nor
+    what differs. A CheckpointError names the file, both group sizes and the fix."""
+    ckpt = _write(tmp_path)
+    model = nn.Linear(3, 2)
+    for groups, ours in (([{"params": [model.weight]}, {"params": [model.bias]}], r"\[1, 1\]"),
+                         ([model.weight], r"\[1\]")):
+        with pytest.raises(CheckpointError, match=rf"checkpoint '.*step-00000001': its optimizer.safetensors is the "
+                                                  rf"state of an optimiser whose parameter groups hold \[2\] parameters; "
+                                                  rf"this optimiser's hold {ours}: build the optimiser as the run .*, or "
+                                                  r"load the weights alone \(optimizer=None\)"):
+            load_checkpoint(ckpt, model, torch.optim.AdamW(groups), restore_rng=False)
+    load_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters()), restore_rng=False)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("name", ["../escape", "..", "", "rng.safetensors", "state.json"])
+def test_a_stored_file_that_is_not_a_plain_name_of_its_own_is_refused_before_writing(tmp_path, sharded, name):
+    """``save_sharded(..., files=...)`` wrote each file where its name led: ``../escape`` beside
+    the checkpoint (outside what its manifest vouches for), ``rng.safetensors`` over the RNG
+    states; ``write_checkpoint`` refused those but took ``..`` and ``""`` (then failed as a write
+    error). Both refuse them before writing, naming the name and their own files."""
+    import warnings
+
+    from attnres.checkpoint import checkpoint_dirs, save_sharded
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    files = {name: b"x"}
+    who = "save_sharded" if sharded else "write_checkpoint"
+    with pytest.raises(ValueError, match=rf"^{who}: files must be plain file names other than the checkpoint's own "
+                                         rf"\(.*rng.safetensors, state.json\); got {re.escape(repr(name))}$"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+            if sharded:
+                save_sharded(tmp_path / "run", 1, dict(model.named_parameters()), opt, {}, keep=1, files=files)
+            else:
+                write_checkpoint(tmp_path / "run", 1, model.state_dict(), opt.state_dict(), {}, keep=1, files=files)
+    assert checkpoint_dirs(tmp_path / "run") == [] and not (tmp_path / "run" / "checkpoints" / "escape").exists()
+
+
+def test_a_platform_that_does_not_open_directories_still_writes_checkpoints(tmp_path, monkeypatch):
+    """Flushing a checkpoint's folders opens them (``os.open(dir)``), which Windows refuses
+    (PermissionError): the checkpoint is written all the same, its files flushed."""
+    import os
+
+    from attnres.checkpoint import manifest
+
+    real_open = os.open
+
+    def no_directories(path, flags, *args, **kwargs):
+        if Path(path).is_dir():
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(manifest.os, "open", no_directories)
+    assert read_checkpoint_state(_written(tmp_path, 1, keep=1))["step"] == 1

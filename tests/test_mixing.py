@@ -430,6 +430,52 @@ def test_the_rank_takes_lower_triangular_square_matrices_only():
             semiseparable_rank(bad)
 
 
+def _largest_allocation(fn, of: Tensor) -> int:
+    """The bytes of the largest tensor ``fn()`` makes that is not a view of ``of``, op by op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, Tensor) and t.untyped_storage().data_ptr() != of.untyped_storage().data_ptr():
+                    Allocations.largest = max(Allocations.largest, t.untyped_storage().nbytes())
+            return out
+
+    with Allocations():
+        fn()
+    return Allocations.largest
+
+
+def test_the_rank_of_a_stack_copies_a_chunk_at_a_time_and_refuses_one_upper_entry(monkeypatch):
+    """``semiseparable_rank`` checked the lower triangle with ``M.triu(1).ne(0)`` - a copy of
+    the whole stack, then its booleans - and took its float64 copy and the SVDs' workspace of
+    the whole stack too: for Highway's per-channel matrices (``d`` per token) that is several
+    times the stack. The check reads views row by row, and the rank is taken RANK_CHUNK
+    matrices at a time (split along the leading dims, which need not merge): no tensor it makes
+    is larger than a chunk's float64 copy, the ranks are the same, and one entry above the
+    diagonal, deep in the stack, is still refused with the same message."""
+    from attnres.analysis import mixing
+
+    torch.manual_seed(0)
+    M = torch.rand(4, 48, 6, 6).tril()  # (float32: the float64 copy is made a chunk at a time too)
+    M[1, 7, :, :2] = 0.5 * torch.ones(6, 2).tril()  # (a block of lower rank)
+    whole = semiseparable_rank(M)
+    monkeypatch.setattr(mixing, "RANK_CHUNK", 16, raising=False)  # (raising: none before it was chunked)
+    chunk = 16 * 6 * 6 * 8  # (bytes: 16 float64 6 x 6 matrices)
+    assert _largest_allocation(lambda: semiseparable_rank(M), M) <= chunk
+    assert torch.equal(semiseparable_rank(M), whole)
+    assert torch.equal(semiseparable_rank(M.transpose(0, 1)), whole.T)  # (leading dims that do not merge)
+    assert torch.equal(semiseparable_rank(M[:1]), whole[:1])  # (one index with more than a chunk behind it)
+    assert int(semiseparable_rank(M[2, 3])) == int(whole[2, 3])
+    M[3, 40, 2, 5] = 1e-30
+    with pytest.raises(ValueError, match=r"semiseparable_rank takes lower-triangular mixing matrices \[\.\.\., n, n\]"
+                                         r".*got entries above the diagonal \(sources as rows\? M.mT is the report's\)"):
+        semiseparable_rank(M)
+
+
 def test_the_rank_of_an_exact_integer_matrix_is_taken_at_float64s_tolerance():
     """The default tolerance became the dtype's machine epsilon (``rank_rtol``), and an integer
     or boolean ``M`` (``torch.ones(n, n, dtype=torch.long).tril()``, the standard residual's,

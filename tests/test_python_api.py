@@ -657,6 +657,29 @@ def test_an_optimiser_of_a_compiled_model_stores_its_parameters_own_names(tmp_pa
                for p, q in zip(into.parameters(), model.parameters()))
 
 
+def test_an_earlier_versions_compiled_optimiser_names_load_as_the_parameters_own(tmp_path):
+    """An earlier version stored the ``param_names`` of an optimiser built from
+    ``torch.compile(model).named_parameters()`` as given (``_orig_mod.<name>``): an optimiser of
+    the plain model that loaded such a checkpoint took the compiled names (torch keeps the stored
+    ones). They are read as the weights' own names."""
+    import json
+
+    from attnres.checkpoint import load_checkpoint, save_checkpoint
+    from attnres.checkpoint.manifest import STATE_FILE, seal_state
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.named_parameters())
+    state = {"config": {"model": model.config.to_dict()}}
+    path = save_checkpoint(tmp_path / "run", 1, model, optimizer, state, keep=1)
+    doc = json.loads((path / STATE_FILE).read_text())
+    own = doc["optimizer"]["param_groups"][0]["param_names"]
+    doc["optimizer"]["param_groups"][0]["param_names"] = [f"_orig_mod.{name}" for name in own]  # (the old names)
+    (path / STATE_FILE).write_text(json.dumps(seal_state(doc)))
+    plain = torch.optim.AdamW(tiny_model().named_parameters())
+    load_checkpoint(path, tiny_model(), plain, restore_rng=False)
+    assert list(plain.state_dict()["param_groups"][0]["param_names"]) == own
+
+
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_numpy_integers_are_taken_wherever_generate_takes_ints(decode):
     """``generate(model, ids, max_new_tokens=np.int64(3))`` (a count from a NumPy array or a

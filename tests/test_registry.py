@@ -908,3 +908,33 @@ def test_a_users_variant_that_declares_the_block_size_it_reads_is_another_model_
         @register_residual("misspelt_test")
         class Misspelt(BlockScaledResidual):
             reads_fields = frozenset({"blocksize"})
+
+
+def test_a_users_variant_built_by_the_default_from_config_refuses_a_config_of_another_kind():
+    """Each built-in variant's ``from_config`` refuses a config of another kind; a user's
+    variant built by the default one (``ResidualStream.from_config``) was built from any
+    config - ``ScaledResidual.from_config(ResidualConfig(kind="attnres_block"), d, L)`` a scaled
+    residual, an ``attnres_block`` model's options read as its own. It refuses, naming the kind
+    given and the one it builds; its own kind builds as before, and so does a subclass not
+    registered of it. A class not registered is told how to give it a kind."""
+    from attnres.nn.residual import ResidualConfig
+
+    with pytest.raises(ValueError, match=r"^ScaledResidual.from_config builds residual 'scaled_test'; the config's kind "
+                                         r"is 'attnres_block' \(BlockAttnRes\): build_residual\(config, dim, "
+                                         r"n_sublayers\) builds the class its kind names$"):
+        ScaledResidual.from_config(ResidualConfig(kind="attnres_block", block_size=2), 8, 4)
+    assert type(ScaledResidual.from_config(ResidualConfig(kind="scaled_test", options={"init": 0.5}), 8, 4)) is \
+        ScaledResidual
+
+    class Subclass(ScaledResidual):
+        pass
+
+    class Unregistered(SingleStreamResidual):
+        def update(self, l, h, out):
+            return h + out
+
+    assert type(Subclass.from_config(ResidualConfig(kind="scaled_test"), 8, 4)) is Subclass
+    with pytest.raises(ValueError, match=r"^.*Unregistered.from_config builds a class not registered; the config's kind "
+                                         r"is 'standard' \(StandardResidual\): .*, and register_residual\('my_residual'\) "
+                                         r"above class .*Unregistered gives it a kind of its own$"):
+        Unregistered.from_config(ResidualConfig(kind="standard"), 8, 4)

@@ -290,41 +290,164 @@ def test_sharded_weights_load_into_a_model_with_a_compiled_part(tmp_path):
     assert all(torch.equal(held[k], v) for k, v in read_sharded_tensors(path).items())
 
 
+COMPILED_PART_CONFIG = ["model.d_model=32", "seq_len=16", "batch_size=2", "steps=4", "progress=false"]
+
+
+def one_step_trained(compiled: bool):
+    """A tiny model after one optimiser step (state to store), its first block compiled or not
+    (``model.layers[0] = torch.compile(model.layers[0])``, compiled at its first call: never here)."""
+    config = load_config(None, COMPILED_PART_CONFIG)
+    torch.manual_seed(0)
+    model = AttnResLM(config.model)
+    if compiled:
+        model.layers[0] = torch.compile(model.layers[0])
+    optimizer = build_optimizer(model, config)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    return model, optimizer, config
+
+
+def loads_as_saved(path: Path, model, optimizer, compiled: bool) -> None:
+    """``load_sharded`` of ``path`` into a zeroed model (compiled or not) gives the weights and
+    optimiser state of ``model``, name for own name."""
+    from attnres.checkpoint import load_sharded
+    from attnres.nn.compiled import uncompiled_name
+
+    own = {uncompiled_name(n): p for n, p in model.named_parameters()}
+    other, other_optimizer, _ = one_step_trained(compiled)
+    for p in other.parameters():
+        p.data.zero_()
+    load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
+    for name, p in other.named_parameters():
+        assert torch.equal(p, own[uncompiled_name(name)]), name
+        assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])
+
+
 def test_a_model_with_a_compiled_part_saves_and_resumes_under_its_own_names(tmp_path):
     """``save_sharded`` stored the names its caller passed: a model with a compiled block
     (``model.layers[0] = torch.compile(model.layers[0])``) wrote ``model.layers.0._orig_mod.<name>``
     and ``optim.layers.0._orig_mod.<name>.exp_avg``, which a resume with nothing compiled could
     not find (nor the other way round). They are stored under their own names, as
     ``write_checkpoint`` stores them, and ``load_sharded`` reads a compiled part's names so."""
-    from attnres.checkpoint import load_sharded
-    from attnres.nn.compiled import uncompiled_name
-
-    config = load_config(None, ["model.d_model=32", "seq_len=16", "batch_size=2", "steps=4", "progress=false"])
-
-    def trained(compiled: bool):
-        torch.manual_seed(0)
-        model = AttnResLM(config.model)
-        if compiled:
-            model.layers[0] = torch.compile(model.layers[0])  # (compiled at its first call: never here)
-        optimizer = build_optimizer(model, config)
-        for p in model.parameters():  # (one optimiser step: state to store)
-            p.grad = torch.ones_like(p)
-        optimizer.step()
-        return model, optimizer
-
     for saved_compiled in (True, False):
-        model, optimizer = trained(saved_compiled)
+        model, optimizer, config = one_step_trained(saved_compiled)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
             path = save_sharded(tmp_path / f"run-{saved_compiled}", 1, dict(model.named_parameters()), optimizer,
                                 {"config": config.to_dict()}, keep=1)
         stored = [*read_sharded_tensors(path), *read_sharded_tensors(path, "optim.")]
         assert stored and not any("_orig_mod" in name for name in stored), stored
-        own = {uncompiled_name(n): p for n, p in model.named_parameters()}
-        other, other_optimizer = trained(not saved_compiled)
-        for p in other.parameters():
-            p.data.zero_()
-        load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
-        for name, p in other.named_parameters():
-            assert torch.equal(p, own[uncompiled_name(name)]), name
-            assert torch.equal(other_optimizer.state[p]["exp_avg"], optimizer.state[own[uncompiled_name(name)]]["exp_avg"])
+        loads_as_saved(path, model, optimizer, not saved_compiled)
+
+
+def test_an_earlier_versions_checkpoint_of_a_compiled_part_loads_under_its_own_names(tmp_path, monkeypatch):
+    """An earlier version's ``save_sharded`` stored the names its caller passed (before
+    ``by_own_names``): a model with a compiled block wrote ``model.layers.0._orig_mod.<name>``
+    and ``optim.layers.0._orig_mod.<name>.exp_avg``. Since ``load_sharded`` asks DCP for the
+    own names, such a checkpoint loaded neither into a model with nothing compiled nor into
+    one with the same block compiled (DCP: missing keys). It loads into both, the optimiser
+    state too, and ``consolidate`` writes the own names."""
+    from attnres.checkpoint import consolidate, load_sharded_weights, sharded
+    from attnres.nn.compiled import uncompiled_name
+    from safetensors.torch import load_file
+
+    model, optimizer, config = one_step_trained(True)
+    with monkeypatch.context() as old_version, warnings.catch_warnings():
+        old_version.setattr(sharded, "by_own_names", lambda named, who: dict(named))  # (the names as passed)
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        path = save_sharded(tmp_path / "run", 1, dict(model.named_parameters()), optimizer,
+                            {"config": config.to_dict()}, keep=1)
+    stored = [*read_sharded_tensors(path), *read_sharded_tensors(path, "optim.")]
+    assert any(name.startswith("layers.0._orig_mod.") for name in stored), stored  # (the old names)
+    for compiled in (False, True):
+        loads_as_saved(path, model, optimizer, compiled)
+    whole, _, _ = one_step_trained(False)  # (and the weights alone, as load_run reads them)
+    for p in whole.parameters():
+        p.data.zero_()
+    load_sharded_weights(path, whole)
+    assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), model.parameters()))
+    written = load_file(str(consolidate(path, tmp_path / "out")))
+    assert written.keys() == {uncompiled_name(n) for n, _ in model.named_parameters()}
+
+
+def test_sharded_weights_given_no_state_are_verified_first(tmp_path):
+    """``load_sharded_weights(path, model)`` read the DCP files as they were: a shard with one
+    byte changed (a copy cut short or damaged) loaded its wrong weights without a word, where
+    ``load_checkpoint`` verifies a consolidated one. Without the caller's verified ``state`` it
+    verifies the checkpoint (every file's SHA-256) and names the file."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_sharded_weights, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    shard = next((path / "dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is corrupted: dcp/{shard.name} does not match its "
+                                              r"SHA-256 in state.json"):
+        load_sharded_weights(path, model)
+
+
+def test_weights_of_another_size_are_named_with_the_checkpoint(tmp_path):
+    """``load_sharded_weights`` into a model of another width ended in load_state_dict's bare
+    RuntimeError, a line per weight ("size mismatch for embed_tokens.weight: ..."), naming
+    neither the checkpoint nor what to do; ``load_checkpoint`` wrapped those lines. Both say
+    the checkpoint, the first weights that differ, and to build the model with its config."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_checkpoint, load_sharded_weights, read_checkpoint_state, save_checkpoint
+
+    path = sharded_checkpoint(tmp_path / "run")
+    saved = ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"])
+    wider = AttnResLM(ModelConfig.from_dict({**saved.to_dict(), "d_model": 2 * saved.d_model}))
+    model = AttnResLM(saved)
+    consolidated = save_checkpoint(tmp_path / "one", 1, model, torch.optim.AdamW(model.parameters()), {}, keep=1)
+    for where, load in ((path, lambda: load_sharded_weights(path, wider)),
+                        (consolidated, lambda: load_checkpoint(consolidated, wider, restore_rng=False))):
+        with pytest.raises(CheckpointError, match=rf"^checkpoint '{where}' does not fit the model: \d+ weight\(s\) have "
+                                                  rf"other shapes \(embed_tokens.weight \[256, 32\] there, \[256, 64\] "
+                                                  r"here; .*\): build the model with the checkpoint's config"):
+            load()
+
+
+def test_load_checkpoint_of_a_sharded_checkpoint_loads_its_weights_and_names_the_optimisers_loader(tmp_path):
+    """``load_checkpoint(path, model)`` - the loader docs/inference.md names for a model one
+    built - of a sharded checkpoint ended in a bare FileNotFoundError (no model.safetensors).
+    It loads the weights (verified, as ``load_sharded_weights``); given an optimiser, whose
+    state a sharded checkpoint keeps by name, it names ``load_sharded``."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_checkpoint, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    assert load_checkpoint(path, model, restore_rng=False)["step"] == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in read_sharded_tensors(path).items())
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is sharded \(DCP, written on several ranks\): "
+                                              r"load_checkpoint loads its weights alone \(optimizer=None\); its "
+                                              r"optimiser state loads with attnres.checkpoint.load_sharded\(path, "):
+        load_checkpoint(path, model, torch.optim.AdamW(model.parameters()), restore_rng=False)
+
+
+def test_a_checkpoint_written_before_the_first_step_resumes_with_a_fresh_optimiser(tmp_path):
+    """A sharded checkpoint written before the optimiser's first step (the state a run starts
+    from, saved through the Python API) holds no optimiser state: ``load_sharded`` with an
+    optimiser asked DCP for every entry ('Missing key in checkpoint state_dict:
+    optim.<name>.exp_avg'). It loads the weights and leaves the optimiser fresh, as it was
+    saved: the next step is the first step of the run that wrote it."""
+    from attnres.checkpoint import load_sharded
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        path = save_sharded(tmp_path / "run", 0, dict(model.named_parameters()), optimizer, {}, keep=1)
+    other = torch.nn.Linear(3, 2)  # (other weights)
+    other_optimizer = torch.optim.AdamW(other.parameters())
+    load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
+    assert other_optimizer.state_dict()["state"] == {}
+    for m, opt in ((model, optimizer), (other, other_optimizer)):
+        m(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))

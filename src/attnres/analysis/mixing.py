@@ -75,21 +75,49 @@ def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
     and below the diagonal lies in one of these). Singular values count above ``rtol`` times
     ``M``'s largest (default: :func:`rank_rtol` of ``M``'s dtype - a float32 ``M``'s rounding
     counts for nothing; a float64 ``M`` of float32 weights needs ``rank_rtol(n,
-    torch.float32)``, as :func:`depth_mixing_matrix` gives it). Returns an integer tensor ``[...]``."""
+    torch.float32)``, as :func:`depth_mixing_matrix` gives it). Returns an integer tensor ``[...]``.
+    A stack is ranked :data:`RANK_CHUNK` matrices at a time: its float64 copy and the SVDs'
+    workspace are those matrices', not the stack's (Highway's per-channel stack is ``d``
+    times the per-token one)."""
+    _refuse_unless_lower_triangular(M)
+    n = M.shape[-1]
+    # (integer or boolean entries are exact: float64's tolerance; torch.finfo refused their dtype)
+    rtol = rank_rtol(n, M.dtype if M.is_floating_point() else MIXING_DTYPE) if rtol is None else rtol
+    return _ranks_in_chunks(M.detach(), rtol)
+
+
+#: How many matrices of a stack :func:`semiseparable_rank` ranks at once.
+RANK_CHUNK = 1024
+
+
+def _refuse_unless_lower_triangular(M: Tensor) -> None:
+    """``ValueError`` unless ``M`` is a stack of square lower-triangular matrices. Row by row on
+    views, no copy: ``M.triu(1).ne(0)`` copied the whole stack, and again as booleans."""
     # (a non-square or upper-triangular M - sources as rows, M transposed - had a rank all the same, of
     # other blocks than the report's; a vector failed inside linalg.matrix_norm)
     square = isinstance(M, Tensor) and M.dim() >= 2 and M.shape[-1] == M.shape[-2]
-    if not square or bool(M.detach().triu(1).ne(0).any()):
+    if not square or any(bool(M[..., i, i + 1:].detach().any()) for i in range(M.shape[-1] - 1)):
         got = (tuple(M.shape) if not square else "entries above the diagonal (sources as rows? M.mT is the "
                "report's)") if isinstance(M, Tensor) else type(M).__name__
         raise ValueError(f"semiseparable_rank takes lower-triangular mixing matrices [..., n, n] (rows: the sublayers "
                          f"and the output, columns: the sources; a MixingMatrix's weights), got {got}")
-    n = M.shape[-1]
-    # (integer or boolean entries are exact: float64's tolerance; torch.finfo refused their dtype)
-    rtol = rank_rtol(n, M.dtype if M.is_floating_point() else MIXING_DTYPE) if rtol is None else rtol
-    M = M.detach().to(MIXING_DTYPE)
+
+
+def _ranks_in_chunks(M: Tensor, rtol: float) -> Tensor:
+    """:func:`_ranks` of ``M [..., n, n]``, at most :data:`RANK_CHUNK` matrices at a time, split
+    along the leading dims as views (a reshape of dims that do not merge would copy the stack)."""
+    if M.shape[:-2].numel() <= RANK_CHUNK:
+        return _ranks(M.to(MIXING_DTYPE), rtol)
+    if M.shape[0] == 1:  # (more than RANK_CHUNK matrices behind the first index: split the next dim)
+        return _ranks_in_chunks(M[0], rtol).unsqueeze(0)
+    step = max(1, RANK_CHUNK // M.shape[1:-2].numel())
+    return torch.cat([_ranks_in_chunks(part, rtol) for part in M.split(step)])
+
+
+def _ranks(M: Tensor, rtol: float) -> Tensor:
+    """:func:`semiseparable_rank` of float64 ``M [..., n, n]``, all at once."""
     scale = torch.linalg.matrix_norm(M, ord=2).unsqueeze(-1)  # [..., 1]
-    ranks = [(torch.linalg.svdvals(M[..., k:, : k + 1]) > rtol * scale).sum(-1) for k in range(n)]
+    ranks = [(torch.linalg.svdvals(M[..., k:, : k + 1]) > rtol * scale).sum(-1) for k in range(M.shape[-1])]
     return torch.stack(ranks, -1).amax(-1)
 
 

@@ -34,6 +34,7 @@ from .manifest import (
     RNG_FILE,
     STATE_FILE,
     CheckpointError,
+    check_extra_files,
     checkpoint_path,
     publish_checkpoint,
     read_checkpoint_state,
@@ -43,8 +44,9 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights, weight_key
 from .residual import refuse_residual_change, residual_hint
+from .sharded import is_sharded, load_sharded_weights
 from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
-from ..validation import check_path_argument
+from ..validation import check_path_argument, check_sizes
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
 
@@ -74,6 +76,10 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     for idx, entry in meta["scalars"].items():
         state.setdefault(int(idx), {}).update(entry)
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    # (an earlier version stored a compiled model's optimiser's names with torch.compile's
+    # '_orig_mod.', which torch gives the loading optimiser: read as the weights' own names)
+    groups = [{**g, "param_names": tuple(uncompiled_name(n) for n in g["param_names"])} if "param_names" in g else g
+              for g in groups]
     return {"state": state, "param_groups": groups}
 
 
@@ -110,10 +116,8 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     their own names, without ``torch.compile``'s ``_orig_mod.`` (that of
     ``torch.compile(model).state_dict()``, or of a compiled part: ``model._orig_mod.<name>``),
     so that a checkpoint loads alike wherever the loading model is compiled."""
-    extra = dict(files or {})
-    reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
-    if reserved or any(Path(name).name != name for name in extra):
-        raise ValueError(f"checkpoint files must be plain names other than the checkpoint's own; got {sorted(extra)}")
+    check_sizes("write_checkpoint", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
+    extra = check_extra_files(files, {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE}, "write_checkpoint")
     model_state = by_own_names(model_state, "write_checkpoint")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
@@ -144,6 +148,35 @@ def read_optimizer_state(path: str | Path, doc: dict[str, Any]) -> dict[str, Any
     return _join_optimizer_state(load_file(str(Path(path) / OPTIMIZER_FILE)), doc["optimizer"])
 
 
+def _fitting_optimizer_state(path: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``saved`` (a checkpoint's optimiser state), or :class:`CheckpointError` naming the file
+    and the fix where ``optimizer`` has other parameter groups: torch's own ValueError ("loaded
+    state dict has a different number of parameter groups") named neither."""
+    theirs = [len(g["params"]) for g in saved["param_groups"]]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs != ours:
+        raise CheckpointError(f"checkpoint {str(path)!r}: its {OPTIMIZER_FILE} is the state of an optimiser whose "
+                              f"parameter groups hold {theirs} parameters; this optimiser's hold {ours}: build the "
+                              "optimiser as the run that wrote it did (attnres train's: "
+                              "attnres.train.build_optimizer(model, config)), or load the weights alone "
+                              "(optimizer=None)")
+    return saved
+
+
+def _load_sharded_checkpoint(path: Path, doc: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                             restore_rng: bool, allow_residual_change: bool) -> None:
+    """:func:`load_checkpoint` of a sharded checkpoint: its weights (and the CPU generator's
+    state), or :class:`CheckpointError` where an optimiser is given, whose state it keeps by
+    parameter name for :func:`~attnres.checkpoint.load_sharded`."""
+    if optimizer is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} is sharded (DCP, written on several ranks): load_checkpoint "
+                              "loads its weights alone (optimizer=None); its optimiser state loads with "
+                              "attnres.checkpoint.load_sharded(path, dict(model.named_parameters()), optimizer)")
+    load_sharded_weights(path, model, doc, allow_residual_change=allow_residual_change)
+    if restore_rng:
+        _restore_rng(path, cuda=False)
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     restore_rng: bool = True, verified: dict[str, Any] | None = None, *,
                     allow_residual_change: bool = False) -> dict[str, Any]:
@@ -153,18 +186,22 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     again). A model that tells its residual (an ``AttnResLM``) whose residual is not the one
     the checkpoint's run config stores while the weights fit (Full vs Block AttnRes, another
     block size) is refused (:class:`CheckpointError` naming both) unless
-    ``allow_residual_change``."""
+    ``allow_residual_change``. A sharded checkpoint's weights load too
+    (:func:`~attnres.checkpoint.load_sharded_weights`), without an optimiser."""
     check_path_argument(path, "load_checkpoint(path, model, optimizer=None, ...)", "a checkpoint directory (step-*)")
     if not isinstance(model, nn.Module):  # (a state dict there failed deep in the load)
         raise TypeError(f"load_checkpoint: model must be the nn.Module to load into, got {type(model).__name__}")
     model = uncompiled(model)  # (its weights, under the names the checkpoint stores)
     path = Path(path)
     doc = verified if verified is not None else read_checkpoint_state(path)
+    if is_sharded(doc):  # (no model.safetensors: a bare FileNotFoundError)
+        _load_sharded_checkpoint(path, doc, model, optimizer, restore_rng, allow_residual_change)
+        return doc
     refuse_residual_change(path, doc, model, allow_residual_change)
     try:
         load_weights(path, model, load_file(str(path / MODEL_FILE)))
         if optimizer is not None:
-            optimizer.load_state_dict(read_optimizer_state(path, doc))
+            optimizer.load_state_dict(_fitting_optimizer_state(path, read_optimizer_state(path, doc), optimizer))
         if restore_rng:
             _restore_rng(path)
     except CheckpointError as e:  # weights that do not fit: of a model with another residual, said so

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from ..nn.compiled import by_own_names
 from ..output_paths import check_output_dir, honour_umask, replace_atomically
 from .locate import find_valid_checkpoint, no_checkpoint_at
 from .manifest import CheckpointError
@@ -30,7 +31,9 @@ def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
     folder = source.path if out is None else check_output_dir(out, "consolidate's out")
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "model.safetensors"
-    tensors = {k: v.contiguous() for k, v in read_sharded_tensors(source.path).items()}
+    # (under the weights' own names, as write_checkpoint stores them: an earlier version's
+    # save_sharded stored a compiled part's with torch.compile's '_orig_mod.')
+    tensors = {k: v.contiguous() for k, v in by_own_names(read_sharded_tensors(source.path), "consolidate").items()}
     # (renamed into place: safetensors before 0.6 writes in place, and a kill part-way left a
     # model.safetensors cut short beside the checkpoint, or over the one consolidated before)
     replace_atomically(target, lambda tmp: save_file(tensors, str(tmp)), "consolidate's out")

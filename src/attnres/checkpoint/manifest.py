@@ -149,20 +149,58 @@ def remove_partial_checkpoints(out_dir: str | Path) -> list[Path]:
     return stale
 
 
+def _fsync(path: Path) -> None:
+    """Flush file or directory ``path`` to the disk: a rename is durable before the data it
+    names, so a power cut after publishing could leave a checkpoint of empty files while the
+    rotation had already deleted the one before it. A directory a platform does not open
+    (Windows) is left to it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (PermissionError, IsADirectoryError):
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_extra_files(files: dict[str, bytes] | None, own: set[str], who: str) -> dict[str, bytes]:
+    """``files`` (name -> content, stored beside a checkpoint's own ``own``), or ``ValueError``
+    naming ``who`` and the names that are not plain file names of the checkpoint directory
+    (``../x`` was written beside it, outside what the manifest vouches for) or are its own."""
+    extra = dict(files or {})
+    bad = sorted(repr(name) for name in extra if not isinstance(name, str) or name in own | {"", ".", ".."}
+                 or Path(name).name != name)
+    if bad:
+        raise ValueError(f"{who}: files must be plain file names other than the checkpoint's own "
+                         f"({', '.join(sorted(own))}); got {', '.join(bad)}")
+    return extra
+
+
 def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head: dict, tail: dict, keep: int) -> None:
     """The last steps of every checkpoint writer: hash ``names`` (files under ``tmp``) into
-    the state file ``{**head, "files": ..., **tail}``, fsync it, move ``tmp`` to ``final`` in
-    one rename, and keep only the newest ``keep`` checkpoints of ``out_dir``."""
+    the state file ``{**head, "files": ..., **tail}``, flush every file to the disk, move
+    ``tmp`` to ``final`` in one rename (flushed too), and keep only the newest ``keep``
+    checkpoints of ``out_dir`` up to ``final``'s step (a newer one, of another trajectory, is
+    left; it deleted ``final`` itself)."""
     honour_umask(p for p in tmp.rglob("*.safetensors") if p.is_file())
     listing = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
+    for name in names:
+        _fsync(tmp / name)
     with (tmp / STATE_FILE).open("w") as f:
         json.dump(seal_state({**head, "files": listing, **tail}), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    for folder in {(tmp / name).parent for name in names} | {tmp}:
+        _fsync(folder)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in checkpoint_dirs(out_dir)[:-keep]:
+    _fsync(final.parent)  # (the rename, before the rotation deletes what came before it)
+    step = _directory_step(final)
+    for old in [p for p in checkpoint_dirs(out_dir) if _directory_step(p) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -35,6 +35,7 @@ def load_weights(path: str | Path, model: nn.Module, weights: dict[str, Tensor])
     held = model.state_dict(keep_vars=True)  # (the parameters themselves: a tie is one object)
     ours = {uncompiled_name(name): name for name in held}
     weights = {ours.get(uncompiled_name(name), name): tensor for name, tensor in weights.items()}
+    _refuse_other_shapes(path, weights, held)
     given = defaultdict(list)
     for name in weights.keys() & held.keys():
         given[weight_key(held[name])].append(name)
@@ -45,3 +46,15 @@ def load_weights(path: str | Path, model: nn.Module, weights: dict[str, Tensor])
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, "
                               f"unexpected {sorted(unexpected)}" + (f", tied here but apart in the checkpoint {apart}"
                                                                     if apart else ""))
+
+
+def _refuse_other_shapes(path: str | Path, weights: dict[str, Tensor], held: dict[str, Tensor]) -> None:
+    """:class:`CheckpointError` naming the checkpoint and the first weights whose shapes differ
+    from the model's (a model of another size): ``load_state_dict``'s RuntimeError, a line per
+    weight, named neither the checkpoint nor what to do (from ``load_sharded_weights`` unwrapped)."""
+    other = sorted(name for name in weights.keys() & held.keys() if weights[name].shape != held[name].shape)
+    if other:
+        shown = "; ".join(f"{name} {list(weights[name].shape)} there, {list(held[name].shape)} here" for name in other[:3])
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: {len(other)} weight(s) have other "
+                              f"shapes ({shown}{'; ...' if len(other) > 3 else ''}): build the model with the "
+                              "checkpoint's config (config.model in its state.json)")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +43,22 @@ from torch import Tensor, nn
 from .manifest import (
     FORMAT_VERSION,
     RNG_FILE,
+    STATE_FILE,
     CheckpointError,
     CheckpointWriteError,
+    check_extra_files,
     checkpoint_path,
     describe_failure,
     publish_checkpoint,
+    read_checkpoint_state,
     rng_state,
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights
 from .residual import refuse_residual_change, residual_hint
-from ..nn.compiled import by_own_names, uncompiled
+from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
+from ..validation import check_sizes
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
            "verify_dcp_files"]
@@ -132,6 +136,8 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    check_sizes("save_sharded", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
+    files = check_extra_files(files, {DCP_DIR, RNG_FILE, STATE_FILE}, "save_sharded")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-dcp"
 
@@ -221,20 +227,34 @@ def verify_dcp_files(path: str | Path, state: dict[str, Any]) -> None:
                                   "must be on a file system every node shares)")
 
 
+def _as_stored(sd: dict[str, Tensor], stored: Mapping[str, object]) -> dict[str, Tensor]:
+    """``sd`` (keyed by the weights' own names) under the keys the checkpoint holds (``stored``):
+    an earlier version's ``save_sharded`` stored the names its caller passed, a compiled part's
+    with ``torch.compile``'s ``_orig_mod.`` (``model.layers.0._orig_mod.<name>``,
+    ``optim.layers.0._orig_mod.<name>.exp_avg``), which DCP, asked for the own names, did not find."""
+    theirs = {uncompiled_name(key): key for key in stored}
+    return {key if key in stored else theirs.get(key, key): value for key, value in sd.items()}
+
+
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
                  restore_rng: bool = True) -> None:
     """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout; a compiled
-    part's ``_orig_mod.`` names are read as their own) and ``optimizer`` in place: each rank
-    reads its own shards. Every rank calls this."""
+    part's ``_orig_mod.`` names are read as their own, and so are those an earlier version
+    stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
+    reader = _reader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    if optimizer is not None and not any(key.startswith("optim.") for key in stored):
+        # (written before the optimiser's first step: no state of it to load, where each of its
+        # entries was asked for - 'Missing key optim.<name>.exp_avg' - and the optimiser stays fresh)
+        optimizer = None
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
-    sd = _state_dict(params, optimizer)
-    reader = _reader(path)
+    sd = _as_stored(_state_dict(params, optimizer), stored)
     try:
         with torch.no_grad(), _one_process_quietly():
             dcp.load(sd, storage_reader=reader)
@@ -269,7 +289,11 @@ def load_sharded_weights(path: str | Path, model: nn.Module, state: dict[str, An
     tells its residual (an ``AttnResLM``) and it is not the one the checkpoint's run config
     stores while the weights fit, unless ``allow_residual_change``
     (:func:`attnres.checkpoint.load_checkpoint`'s rule). ``state``: its ``state.json``, where
-    the caller has read it."""
+    the caller has verified the checkpoint (:func:`~attnres.checkpoint.read_checkpoint_state`);
+    without it the checkpoint is verified here, as ``load_checkpoint`` verifies one."""
+    if state is None:  # (a shard cut short or damaged loaded as it was, without a word)
+        state = read_checkpoint_state(path)
+        verify_dcp_files(path, state)
     model = uncompiled(model)
     refuse_residual_change(path, state, model, allow_residual_change)
     try:

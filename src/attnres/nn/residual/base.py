@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ...validation import Int, did_you_mean_each
 from ..driven import DrivenModule
 from .config import ResidualConfig
+from .kinds import refuse_other_kind
 from .mixing import MixingMatrix
 
 __all__ = ["ResidualState", "DepthHistory", "HistoryLayout", "ResidualStream", "PHASES"]
@@ -180,7 +181,10 @@ class ResidualStream(DrivenModule, ABC):
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
         """The module described by ``config`` (``ModelConfig.residual``); by default
-        ``cls(dim, n_sublayers, **config.options)``."""
+        ``cls(dim, n_sublayers, **config.options)``, for a config of this variant's kind only
+        (each built-in variant's refuses another kind: a user's variant built from an
+        ``attnres_block`` config was built, its options read as its own)."""
+        refuse_other_kind(cls, config)
         try:
             return cls(dim, n_sublayers, **config.options)
         except (TypeError, ValueError) as e:

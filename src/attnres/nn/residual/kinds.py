@@ -48,6 +48,10 @@ def refuse_other_kind(cls: type, config) -> None:
     registered = residual_class(config.kind)
     if cls is registered or (issubclass(cls, registered) and "name" not in vars(cls)):
         return
-    raise ValueError(f"{cls.__qualname__}.from_config builds residual {cls.name!r}; "
+    # (a class of the user's not registered has the name '': named by its class, and how to name it)
+    builds, fix = (f"residual {cls.name!r}", "") if cls.name else (
+        "a class not registered", f", and register_residual('my_residual') above class {cls.__qualname__} gives it "
+        "a kind of its own")
+    raise ValueError(f"{cls.__qualname__}.from_config builds {builds}; "
                      f"the config's kind is {config.kind!r} ({registered.__qualname__}): build_residual(config, dim, "
-                     "n_sublayers) builds the class its kind names")
+                     f"n_sublayers) builds the class its kind names{fix}")
