@@ -450,6 +450,45 @@ def test_generate_names_a_directory_without_a_tokenizer(tmp_path):
         cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
 
 
+def _edit_weights(directory: Path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("dropped", ["residual.mixers.1.query", "layers.1.mlp.down_proj.weight"])
+def test_generate_refuses_a_transformers_directory_whose_weights_lack_tensors(tmp_path, dropped):
+    """A hand-edited export without one pseudo-query (or one MLP weight) generated at a zero
+    query (a random weight): another model than the one saved, under no more than
+    transformers' load report. Refused naming the tensor, as the vLLM plugin refuses it."""
+    AttnResForCausalLM.from_native(native_model(residual="attnres_block")).save_pretrained(tmp_path)
+    make_hf_tokenizer(ByteTokenizer(), 128).save_pretrained(tmp_path)
+    _edit_weights(tmp_path, lambda tensors: tensors.pop(dropped))
+    with pytest.raises(SystemExit, match=re.escape(f"'{tmp_path}' lacks 1 weight(s) of the causal LM ({dropped})") +
+                       ".*export or copy the directory again"):
+        cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+
+
+def test_generate_refuses_an_upcycled_directory_whose_model_type_drops_the_residual(tmp_path):
+    """An upcycled Llama whose model_type says "llama" (docs/hf.md: the Auto classes build plain
+    Llama) generated as plain Llama, the residual's tensors left unused under transformers'
+    UNEXPECTED. Refused naming them and the model_type."""
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.upcycle import upcycle
+
+    upcycle(tiny_model("llama", vocab_size=256), "attnres_block", block_size=2).save_pretrained(tmp_path)
+    make_hf_tokenizer(ByteTokenizer(), 128).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(SystemExit, match=re.escape(f"'{tmp_path}': its weights hold an AttnRes residual (residual.") +
+                       r".* which the model its config\.json describes \(LlamaForCausalLM, model_type 'llama'\) has no "
+                       "place for"):
+        cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+
+
 @pytest.mark.parametrize("on_disk", ["residual", ""])
 def test_a_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path, on_disk):
     """``device_map`` with the residual or the whole model (what ``"auto"`` does with a

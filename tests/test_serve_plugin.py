@@ -212,8 +212,8 @@ def test_checked_weights_name_the_file_when_the_config_does_not_match(tmp_path, 
 
 
 def test_checked_weights_accept_missing_optional_tensors(tmp_path):
-    """A tied head and the residual's tensors may be missing (they take the embedding and the
-    faithful init); anything else may not."""
+    """The tensors the caller names optional (the served classes: a tied head, which takes the
+    embedding) may be missing; anything else may not."""
     config = _export(tmp_path)
     expected = expected_shapes(lambda: AttnResLM(config))
     kept = [(n, t) for n, t in _tensors(tmp_path) if not n.startswith("residual.")]
@@ -221,6 +221,19 @@ def test_checked_weights_accept_missing_optional_tensors(tmp_path):
     assert optional and len(list(checked_weights(kept, expected, tmp_path, optional))) == len(kept)
     with pytest.raises(CheckpointMismatch, match="lacks"):
         list(checked_weights(kept, expected, tmp_path))
+
+
+def test_a_checkpoint_without_a_residual_tensor_is_named_with_its_file(tmp_path):
+    """A hand-edited export without one pseudo-query: the refusal names the tensor and the
+    file, and says what serving it would have done (zero queries) and how to get it back."""
+    config = _export(tmp_path)
+    kept = [(n, t) for n, t in _tensors(tmp_path) if n != "residual.mixers.1.query"]
+    with pytest.raises(CheckpointMismatch) as refused:
+        list(checked_weights(kept, expected_shapes(lambda: AttnResLM(config)), tmp_path))
+    said = str(refused.value)
+    assert f"the checkpoint in {tmp_path} ({tmp_path / 'model.safetensors'}) lacks 1 tensor(s) that the model " \
+           f"described by {tmp_path / 'config.json'} needs: 'residual.mixers.1.query'." in said
+    assert "at their init, zero queries" in said and "config does not match" not in said
 
 
 def test_expected_shapes_are_the_checkpoint_names_built_on_the_meta_device():

@@ -472,6 +472,30 @@ def test_a_step_of_the_wrong_number_of_tokens_is_refused_and_changes_nothing():
     assert decoder.step(ids[:, -1]).shape == (3, model.config.vocab_size)
 
 
+def test_a_prefill_of_another_batch_size_is_refused_saying_to_build_a_decoder_for_it():
+    """A decoder built for 3 rows given the prefill of 1 or 4 said "the cache holds 2 layers at
+    batch size 1, this one 2 at 3" (which one is "this one", and what to do?); prefill's pair
+    ended in "'tuple' object has no attribute". Both are said as the decoder's, with the way
+    out; the decoder still decodes its own batch afterwards."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    decoder = StaticDecoder(model, 3, capacity=12, mode="eager")
+    for rows in (1, 4):
+        _, cache = prefill(model, torch.cat([ids, ids])[:rows])
+        with pytest.raises(ValueError, match=re.escape(
+                f"StaticDecoder.load: the cache holds a batch of {rows} sequence{'s' * (rows != 1)}, and this decoder "
+                f"decodes 3 (its batch_size, fixed when it was built: its buffers and graphs are made for it): build a "
+                f"StaticDecoder(model, batch_size={rows}, ...) for that batch (one per batch size), or prefill a batch "
+                "of 3")):
+            decoder.load(cache)
+    with pytest.raises(TypeError, match=re.escape("takes the KVCache a prefill filled, got a tuple (prefill returns "
+                                                  "logits and the cache: logits, cache = prefill(...))")):
+        decoder.load(prefill(model, ids, mask), mask)
+    logits, cache = prefill(model, ids, mask)
+    decoder.load(cache, mask)
+    assert torch.equal(decoder.decode(logits.argmax(-1), 4), generate(model, ids, mask, max_new_tokens=5)[:, 1:])
+
+
 def test_loading_a_cache_checks_its_padding_mask():
     """``StaticDecoder.load(cache, attention_mask)`` counted each row's zeros as its left
     padding whatever the mask: a right-padded mask (or one of other values) decoded other

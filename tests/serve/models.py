@@ -216,6 +216,24 @@ def _edit_config(directory: Path, source: Path, change) -> Path:
     return directory
 
 
+def _edit_weights(directory: Path, source: Path, change) -> Path:
+    """A copy of ``source`` whose model.safetensors ``change`` (name -> tensor, in place) edited."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(directory / "model.safetensors")
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def _drop_residual(tensors: dict, keep=lambda name: False) -> None:
+    for name in [n for n in tensors if n.startswith("residual.") and not keep(n)]:
+        del tensors[name]
+
+
 def refusals(root: Path) -> dict[str, dict]:
     """What vLLM must refuse at load time, with a message naming the file, the field or the
     limit: name -> ``model`` (a directory) and extra ``engine`` arguments.
@@ -226,6 +244,10 @@ def refusals(root: Path) -> dict[str, dict]:
     ``old_tokenizer`` - an export whose tokenizer declares the line break its padding token
     (special), as attnres export did before;
     ``no_residual`` / ``upcycled_no_residual`` - configs without their residual settings;
+    ``query_missing`` / ``upcycled_residual_missing`` - an export without one pseudo-query and
+    an upcycled Llama without any of the residual's tensors (hand-edited checkpoints, which
+    vLLM would serve at zero queries);
+    ``extra_tensor`` - an export with a tensor the model has no place for;
     ``llama_model_type`` - an upcycled Llama whose model_type says "llama";
     ``quantized`` - an export whose config.json declares a quantization;
     ``lora_native`` - an export served with LoRA adapters enabled;
@@ -254,7 +276,12 @@ def refusals(root: Path) -> dict[str, dict]:
     rust = byte_level_tokenizer()  # what earlier versions of attnres export wrote: the line break pads
     PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=rust.id_to_token(10), clean_up_tokenization_spaces=False,
                             chat_template=CHAT_TEMPLATE, model_max_length=256).save_pretrained(dirs["old_tokenizer"])
+    dirs["query_missing"] = _edit_weights(root / "query_missing", dirs["native"],
+                                          lambda t: _drop_residual(t, keep=lambda n: n != "residual.mixers.1.query"))
+    dirs["extra_tensor"] = _edit_weights(root / "extra_tensor", dirs["native"],
+                                         lambda t: t.update({"residual.mixers.99.query": torch.zeros(SHAPE["d_model"])}))
     dirs["llama"] = save_upcycled(root / "llama", "llama", {})
+    dirs["upcycled_residual_missing"] = _edit_weights(root / "upcycled_residual_missing", dirs["llama"], _drop_residual)
     dirs["upcycled_no_residual"] = _edit_config(root / "upcycled_no_residual", dirs["llama"],
                                                 lambda c: c.pop("attnres_residual"))
     dirs["llama_model_type"] = _edit_config(root / "llama_model_type", dirs["llama"],
@@ -264,7 +291,8 @@ def refusals(root: Path) -> dict[str, dict]:
             block_size=2).save_pretrained(dirs["moe"])
     make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(dirs["moe"])
     out = {name: {"model": dirs[name]} for name in ("mismatch", "head_size", "moe", "old_tokenizer", "no_residual",
-                                                    "upcycled_no_residual", "llama_model_type", "quantized")}
+                                                    "upcycled_no_residual", "llama_model_type", "quantized", "query_missing",
+                                                    "upcycled_residual_missing", "extra_tensor")}
     out["quantized"]["engine"] = {"dtype": "bfloat16"}  # vLLM's fp8 takes no float32
     out["lora_native"] = {"model": dirs["native"], "engine": {"enable_lora": True, "max_lora_rank": 8}}
     for name in ("native", "llama"):  # vLLM's sequence-classification adapter: a head no checkpoint holds

@@ -51,6 +51,28 @@ def test_a_tokenizer_that_would_drop_line_breaks(load_failures):
     assert "attnres export --checkpoint RUN --out DIR" in log
 
 
+@pytest.mark.parametrize("name, lacking", [("query_missing", r"1 tensor\(s\) that the model described by .* needs: "
+                                                               r"'residual\.mixers\.1\.query'\."),
+                                           ("upcycled_residual_missing", r"\d+ tensor\(s\) that the model described "
+                                                                         r"by .* needs: 'residual\.")],
+                         ids=["query_missing", "upcycled_residual_missing"])
+def test_a_checkpoint_without_the_residuals_tensors(load_failures, name, lacking):
+    """A hand-edited checkpoint whose residual's tensors (pseudo-queries, key-norm gains) are
+    missing loaded, served at zero queries without a word (transformers lists them in its load
+    report): refused as vLLM refuses missing weights, naming the tensors and the file."""
+    import re
+
+    log = refused(load_failures, name)
+    assert re.search(rf"the checkpoint in \S*{name} \(\S*{name}/model\.safetensors\) lacks {lacking}", log), log[-3000:]
+    assert "at their init, zero queries" in log and "attnres upcycle --model DIR --out NEW" in log
+
+
+def test_a_tensor_the_model_has_no_place_for(load_failures):
+    log = refused(load_failures, "extra_tensor")
+    assert "extra_tensor/model.safetensors holds tensor 'residual.mixers.99.query' [64], which the model described " \
+           "by" in log, log[-3000:]
+
+
 @pytest.mark.parametrize("name, field", [("no_residual", "residual"), ("upcycled_no_residual", "attnres_residual")])
 def test_a_config_without_its_residual_settings(load_failures, name, field):
     log = refused(load_failures, name)

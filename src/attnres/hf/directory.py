@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards, unreadable_weights
+from ..checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
+                                 refuse_missing_weights, unreadable_weights)
 from ..data.tokenizer import TEMPLATE_PROBE, ordinary_tokens_marked_special, template_tokens
 from ..user_warning import warn_user
 
@@ -74,9 +75,31 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "spiece.model")
 
 
+def _refuse_incomplete_weights(where: str, path: str | Path, model: torch.nn.Module, loading: dict) -> None:
+    """Raise ``ValueError`` where ``from_pretrained`` (its ``loading`` info) initialised
+    tensors the directory lacks - random weights, or an AttnRes residual at zero queries:
+    another model than the one saved, run with no more than transformers' load report - or
+    left the AttnRes residual's tensors unused (a ``model_type`` of a plain family over an
+    upcycled model builds that family without the residual). Other unused tensors pass:
+    original checkpoints may hold some the family ignores (DeepSeek-V3's multi-token-prediction
+    layer). The vLLM plugin refuses the same (docs/serving.md)."""
+    refuse_missing_weights(where, path, loading["missing_keys"],
+                           "export or copy the directory again (a residual's pseudo-queries would be zero); an original "
+                           "checkpoint under an AttnRes config is attnres upcycle --model DIR --out NEW's to convert")
+    unused = sorted(name for name in loading["unexpected_keys"] if name.startswith("residual."))
+    if unused:
+        shown = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
+        raise ValueError(
+            f"{where}: its weights hold an AttnRes residual ({shown}), which the model its config.json describes "
+            f"({type(model).__name__}, model_type {model.config.model_type!r}) has no place for: the config.json names "
+            "a model without it (an edited model_type?); restore its own config.json, or export or copy the directory "
+            "again")
+
+
 def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, DirectoryText]:
     """``(model, text)`` of the transformers directory ``path``: the model in eval mode on
-    ``device``, and its tokenizer. Raises ``ValueError`` when either does not load."""
+    ``device``, and its tokenizer. Raises ``ValueError`` when either does not load, or when
+    the weights are not all the model's (:func:`_refuse_incomplete_weights`)."""
     refuse_missing_shards(repr(str(path)), path, "download or copy the directory again")
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
@@ -87,6 +110,7 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
         raise unreadable_weights(repr(str(path)), e, "export or copy the directory again") from None
     refuse_mismatched_weights(repr(str(path)), loading["mismatched_keys"],
                               "restore its own config.json, or export or copy the directory again")
+    _refuse_incomplete_weights(repr(str(path)), path, model, loading)
     model = model.eval().to(device)
     if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"{str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save the "

@@ -150,10 +150,30 @@ class StaticDecoder:
     def load(self, cache: KVCache, attention_mask: Tensor | None = None) -> None:
         """Take over a prefilled cache (``prefill(model, input_ids, attention_mask)``'s) and
         the prompt's left padding, ``attention_mask [B, T]`` (``None``: none)."""
+        self._check_prefilled(cache)  # (before a stale graph is captured again)
         if self.mode == "graph" and self._stale():
             self._capture()
         self.cache.load_(cache, attention_mask)
         self.length = cache.seq_len
+
+    def _check_prefilled(self, cache: KVCache) -> None:
+        """Refuse a ``cache`` this decoder cannot take over: not a :class:`KVCache` (prefill's
+        pair of logits and cache), or of another batch size or depth. The batch size is the
+        decoder's for good (its buffers, compiled graph or CUDA graph are made for it), so a
+        batch of another size needs a decoder of its own."""
+        if not isinstance(cache, KVCache):
+            got = "a tuple (prefill returns logits and the cache: logits, cache = prefill(...))" \
+                if isinstance(cache, tuple) else f"a {type(cache).__name__}"
+            raise TypeError(f"StaticDecoder.load takes the KVCache a prefill filled, got {got}")
+        if cache.n_layers != self.cache.n_layers:
+            raise ValueError(f"StaticDecoder.load: the cache holds {cache.n_layers} layers, this decoder's model "
+                             f"{self.cache.n_layers}: it was prefilled by another model")
+        rows = cache.keys(0).shape[0]
+        if rows != self.batch_size:
+            raise ValueError(f"StaticDecoder.load: the cache holds a batch of {rows} sequence{'s' * (rows != 1)}, and "
+                             f"this decoder decodes {self.batch_size} (its batch_size, fixed when it was built: its "
+                             f"buffers and graphs are made for it): build a StaticDecoder(model, batch_size={rows}, ...) "
+                             f"for that batch (one per batch size), or prefill a batch of {self.batch_size}")
 
     def rewind(self, seq_len: int) -> None:
         """Forget the positions from ``seq_len`` on (``0 <= seq_len <=`` the filled length)."""

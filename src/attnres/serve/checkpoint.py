@@ -143,8 +143,8 @@ def checked_weights(
     """Yield ``weights`` (name, tensor) unchanged, raising :class:`CheckpointMismatch` on a
     tensor whose name or shape the model ``expected`` describes does not have, on a file that
     cannot be read (naming it: a truncated copy), and - once all are read - on tensors that
-    are missing, other than the ``optional`` ones (a tied LM head, the residual's tensors
-    that take their faithful init)."""
+    are missing, other than the ``optional`` ones (a tied LM head, which takes the
+    embedding), as vLLM's own loader refuses weights a checkpoint does not initialise."""
     directory = Path(directory)
     config = directory / "config.json"
     seen: set[str] = set()
@@ -163,6 +163,28 @@ def checked_weights(
         yield name, tensor
     missing = sorted(set(expected) - seen - set(optional))
     if missing:
-        shown = ", ".join(repr(m) for m in missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise CheckpointMismatch(f"the checkpoint in {directory} lacks {len(missing)} tensor(s) that the model described "
-                                 f"by {config} needs: {shown}; the config does not match the weights")
+        raise CheckpointMismatch(_missing_message(missing, directory, config))
+
+
+def _weight_files(directory: Path) -> str:
+    """The files that hold ``directory``'s checkpoint (its index where it is sharded), for messages."""
+    index = sorted(directory.glob("*.safetensors.index.json"))
+    files = index or sorted(directory.glob("*.safetensors"))
+    return ", ".join(str(f) for f in files) or str(directory)
+
+
+def _missing_message(missing: list[str], directory: Path, config: Path) -> str:
+    """Why the checkpoint lacking the tensors ``missing`` (sorted) is refused. Where only the
+    residual's tensors are missing the config is not in question: the directory was edited by
+    hand or written by a tool that dropped them, and vLLM would serve zero queries (another
+    model) where transformers lists them in its load report."""
+    shown = ", ".join(repr(m) for m in missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    said = f"the checkpoint in {directory} ({_weight_files(directory)}) lacks {len(missing)} tensor(s) that the model " \
+           f"described by {config} needs: {shown}"
+    if not all(name.startswith("residual.") for name in missing):  # (more layers than the weights hold, ...)
+        return f"{said}; the config does not match the weights"
+    return (f"{said}. Without the residual's tensors (its pseudo-queries and key-norm gains) the model would be served "
+            "at their init, zero queries - another model than the one saved - and vLLM refuses a checkpoint that lacks "
+            "weights: copy or export the directory again (attnres export, save_pretrained write them); for an original "
+            "checkpoint of the family under an AttnRes config, attnres upcycle --model DIR --out NEW writes the faithful "
+            "init")

@@ -167,11 +167,10 @@ class AttnResForCausalLM(nn.Module, SupportsPP):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Check the export's tensors against its config, then load them vLLM's way. The
-        residual's tensors a checkpoint lacks keep their faithful init (zero queries)."""
+        """Check the export's tensors against its config - all of them, the residual's too (a
+        checkpoint without them would serve zero queries: refused, as vLLM refuses missing
+        weights) - then load them vLLM's way."""
         native = self.native_config
-        residual = {"residual." + n for n, _ in self.model.residual.named_parameters()}
-        optional = residual | ({"lm_head.weight"} if native.tie_embeddings else set())
+        optional = {"lm_head.weight"} if native.tie_embeddings else set()
         checked = checked_weights(weights, expected_shapes(lambda: AttnResLM(native)), self.checkpoint_dir, optional)
-        loaded = AutoWeightsLoader(self).load_weights(checked, mapper=self.hf_to_vllm_mapper)
-        return loaded | {"model." + n for n in residual}
+        return AutoWeightsLoader(self).load_weights(checked, mapper=self.hf_to_vllm_mapper)

@@ -152,15 +152,15 @@ class UpcycledCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Check the tensors against the config, then load them the family's way; the
         residual (``residual.*`` in the checkpoint, ``model.residual.*`` here) loads as plain
-        tensors, and those the checkpoint lacks keep their faithful init (zero queries), as
-        ``from_pretrained`` gives them."""
+        tensors. A checkpoint without the residual's tensors is refused (vLLM refuses missing
+        weights; they would be served at zero queries), where ``from_pretrained`` gives them
+        their faithful init and lists them in its load report."""
         config = self.config
         _, hf_class = upcycled_classes(self.family)
-        residual = {"residual." + n for n, _ in self.model.residual.named_parameters()}
-        optional = residual | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+        optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
         checked = checked_weights(weights, expected_shapes(lambda: hf_class(copy.deepcopy(config))), self.checkpoint_dir, optional)
         renamed = (("model." + name if name.startswith("residual.") else name, t) for name, t in checked)
-        loaded = set(super().load_weights(renamed)) | {"model." + n for n in residual}
+        loaded = set(super().load_weights(renamed))
         # vLLM's class of the family may hold parameters the family's transformers config
         # does without (PhiMoE's attention biases): left unset, they would be garbage.
         unset = sorted({name for name, _ in self.named_parameters()} - loaded
