@@ -124,6 +124,28 @@ def test_config_refuses_an_option_the_decoder_does_not_have(option, value, does)
     assert AttnResConfig(**fields, **{option: matching}).to_model_config() == AttnResConfig(**fields).to_model_config()
 
 
+def test_an_attnres_config_built_in_python_warns_of_a_field_its_variant_does_not_read_once(tmp_path):
+    """``AttnResConfig(residual={"kind": "attnres_full", "block_size": 4})`` built in Python
+    said nothing, where the same ``ModelConfig(...)`` warns. It warns once, as it is built;
+    saved and loaded again (config.json, a stored config) or made from a native config
+    (``from_model_config``, which was warned of when built) it says nothing."""
+    import warnings
+
+    def unread(call) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+
+    made = []
+    said = unread(lambda: made.append(AttnResConfig(residual={"kind": "attnres_full", "block_size": 4})))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=4 is read only by attnres_block")
+    made[0].save_pretrained(tmp_path)
+    assert unread(lambda: AttnResConfig.from_pretrained(tmp_path)) == []
+    assert unread(lambda: AttnResConfig.from_model_config(made[0].to_model_config())) == []
+    assert unread(lambda: AttnResConfig(residual={"kind": "attnres_block", "block_size": 4})) == []
+
+
 def test_cache_is_accepted_under_both_names():
     """transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``: a decode
     step continues the same cache under either name, and both at once is refused."""

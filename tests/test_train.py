@@ -1082,6 +1082,29 @@ def test_a_model_config_built_in_python_is_warned_of_a_field_its_variant_does_no
                                                            "model.residual.block_size=4"]))) == 1
 
 
+def test_a_preset_or_train_config_stated_in_python_warns_of_a_field_its_variant_does_not_read_once():
+    """``ModelConfig.preset("tiny", residual={"kind": "standard", "block_size": 4})`` and
+    ``TrainConfig(model={"residual": {"kind": "mhc_lite", "sinkhorn_iters": 3}})`` built in
+    Python trained as if the field were not there without a word, where the same config on the
+    command line is warned of. Each warns once, of the fields the user gave (not the preset's
+    own block size, kept by a change of variant); ``TrainConfig.from_dict`` (a config file's,
+    which load_config warns of) says nothing."""
+    standard = {"kind": "standard", "block_size": 4}
+    said = _unread_warnings(lambda: ModelConfig.preset("tiny", residual=standard))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=4 is read only by attnres_block")
+    assert len(_unread_warnings(lambda: ModelConfig.preset("tiny", attnres_block_size=4, residual="attnres_full"))) == 1
+    lite = {"residual": {"kind": "mhc_lite", "sinkhorn_iters": 3}}
+    said = _unread_warnings(lambda: TrainConfig(model=lite))
+    assert len(said) == 1 and said[0].startswith("model.residual.sinkhorn_iters=3 is read only by mhc: residual.kind "
+                                                 "'mhc_lite'")
+    assert len(_unread_warnings(lambda: TrainConfig(model={"preset": "train-cpu", "residual": standard}))) == 1
+    assert _unread_warnings(lambda: TrainConfig(model={"residual": "standard"})) == []  # (the preset's block size)
+    assert _unread_warnings(lambda: TrainConfig(model="tiny")) == []
+    assert _unread_warnings(lambda: TrainConfig.from_dict({"model": lite})) == []
+    assert len(_unread_warnings(lambda: load_config(None, ["model.residual.kind=mhc_lite",
+                                                           "model.residual.sinkhorn_iters=3"]))) == 1
+
+
 def test_a_resume_without_a_config_file_checks_a_residual_field_against_the_runs_variant(tmp_path, corpus_file):
     """`attnres train --resume model.residual.block_size=8` with no config file checked the
     block size against the default model (Block AttnRes: nothing said) instead of the run's

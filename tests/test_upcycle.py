@@ -1924,6 +1924,25 @@ def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
     assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["block_size"] == 8
 
 
+def test_upcycle_warns_of_a_setting_its_variant_does_not_read():
+    """``upcycle(model, sinkhorn_iters=3)`` (Block AttnRes, the default) upcycled as if the
+    setting were not there, without a word, where a model config warns of it. It warns once,
+    naming the field and the variant that reads it; a field the variant reads says nothing."""
+    import warnings
+
+    def unread(**kwargs) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            upcycle(base_model("llama", torch.float32), **kwargs)
+        return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+
+    said = unread(block_size=2, sinkhorn_iters=3)
+    assert len(said) == 1 and said[0].startswith("model.residual.sinkhorn_iters=3 is read only by mhc: residual.kind "
+                                                 "'attnres_block'")
+    assert len(unread(residual={"kind": "attnres_full", "hc_streams": 2})) == 1
+    assert unread(block_size=2) == [] and unread(residual="attnres_full", full_group_size=2) == []
+
+
 def test_upcycling_doc_names_the_tokenizer_files_upcycle_needs_and_a_lone_tokenizer_json_is_one(tmp_path):
     """docs/upcycling.md listed the tokenizer files 'with tokenizer_config.json', as if that
     were needed too; the check takes any one of TOKENIZER_FILES, and a directory whose only
