@@ -1150,6 +1150,35 @@ def test_a_single_block_config_is_warned_of_once_by_the_statement_that_makes_it(
     assert len(single(lambda: AttnResLM(model))) == 1
 
 
+def test_a_single_block_run_is_warned_of_where_it_is_stated_not_where_its_stored_config_is_read(tmp_path,
+                                                                                                corpus_file):
+    """A run of one block (block_size=4 of the tiny model's 4 sublayers) was warned of as it
+    started, and again at each reading of its stored config, each a new object the mark of
+    the statement did not cover: 9 times more by a resume that restates the config, 11 by
+    `attnres train --resume` without a config file (which restates nothing), twice by
+    ``load_run``. Stored configs are read within ``migrations.stored_config()``, quiet of it as
+    of their old keys; a resume whose command changes the model (``model.*``) is the user's
+    statement, and warned of."""
+    from attnres.inference import load_run
+
+    def single(call) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        return [str(w.message) for w in caught if "single block" in str(w.message)]
+
+    run = tmp_path / "run"
+    stated = overrides(corpus_file, run, stop_after=2, schedule="constant", warmup_steps=1, checkpoint_every=1,
+                       eval_every=100, diagnostics_every=100, **{"model.residual.block_size": 4})
+    assert len(single(lambda: train(load_config(None, stated)))) == 1
+    assert len(single(lambda: train(load_config(None, [*stated, "resume=true", "stop_after=3"])))) == 1
+    assert single(lambda: cli_main(["train", "--resume", f"out_dir={run}", "stop_after=4"])) == []
+    assert single(lambda: load_run(run)) == []
+    restated = single(lambda: cli_main(["train", "--resume", f"out_dir={run}", "--print-config",
+                                        "model.residual.block_size=5"]))
+    assert len(restated) == 1 and "block_size (attnres upcycle's --block-size) = 5" in restated[0]
+
+
 def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults(tmp_path, corpus_file):
     """`attnres train --resume model.residual.block_size=4` without a config file on a run of 4
     layers (8 sublayers) warned that 4 "is at least the model's 4 sublayers": the overrides were

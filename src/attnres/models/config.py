@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
+from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, reading_stored, renamed_attribute
 from ..nn.residual import (ResidualConfig, build_residual, registered_residuals, residual_class,
                            validate_residual_config)
 from ..nn.residual.config import VARIANT_FIELDS, merge_residual
@@ -103,6 +103,13 @@ def read_quietly() -> Iterator[None]:
         _reading.reset(token)
 
 
+def _quiet() -> bool:
+    """Whether a config built now is not the user's statement: read within :func:`read_quietly`,
+    or within ``migrations.stored_config()`` (a stored config, whose warnings were given when
+    its run started: the deprecated keys' and the single block's too)."""
+    return _reading.get() or reading_stored()
+
+
 def stated(build: Callable[[], Any], given: set[str], model: Callable[[Any], ModelConfig] = lambda c: c) -> Any:
     """``build()``, a config the user states in Python over one of the package's
     (``preset("tiny", residual={"kind": "standard", "block_size": 4})``, ``TrainConfig(model={...})``,
@@ -110,7 +117,7 @@ def stated(build: Callable[[], Any], given: set[str], model: Callable[[Any], Mod
     fields ``given`` (those the user wrote, not the preset's own) that its variant does not
     read, once (``model``: its ``ModelConfig``). Within :func:`read_quietly` itself (a config
     file read by ``load_config``, which warns of its own), nothing is said."""
-    quiet = _reading.get()
+    quiet = _quiet()
     with read_quietly():
         built = build()
     if not quiet:
@@ -177,7 +184,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self.residual = ResidualConfig.from_value(self.residual)
         self.validate()
-        if not _reading.get():  # (built in Python: the user's own statement)
+        if not _quiet():  # (built in Python: the user's own statement)
             warn_unread_residual_fields(_fields_set(self.residual), self)
 
     def __getattr__(self, name: str) -> Any:
