@@ -1201,6 +1201,25 @@ def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults
     assert len(said(tmp_path / "empty", "model.residual.block_size=4")) == 1
 
 
+def test_a_resume_whose_run_config_fails_still_shows_the_overrides_own_warnings(tmp_path, corpus_file, capsys):
+    """`attnres train --resume-from CKPT model.attnres_block_size=4` (no out_dir: refused)
+    ended in the error alone: the warnings of the overrides, held back as they were of the
+    defaults' model, were dropped where the run's config then failed - the old spelling's
+    DeprecationWarning too, true of any config. It is shown, once, with the error; what was
+    said of the defaults' model (4 "is at least the model's 4 sublayers") is not of the run of
+    8 sublayers, and stays unsaid."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=1, checkpoint_every=1, eval_every=100,
+                                      diagnostics_every=100, **{"model.n_layers": 4})))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(SystemExit, match="without out_dir would continue it into the default out_dir"):
+            cli_main(["train", "--resume-from", str(latest_checkpoint(run)), "model.attnres_block_size=4"])
+    said = [str(w.message) for w in caught]
+    assert len([m for m in said if "attnres_block_size" in m]) == 1, said
+    assert not any("single block" in m for m in said), said
+
+
 def test_a_config_files_block_size_is_not_warned_of_when_the_command_changes_the_variant():
     """configs/train-cpu.yaml gives Block AttnRes a block size; `model.residual=standard` on it
     is its documented baseline, and says nothing - the same block size on the command line does."""
