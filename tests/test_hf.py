@@ -21,7 +21,7 @@ from attnres.cli import main as cli_main  # noqa: E402
 from attnres.data.tokenizer import ByteTokenizer, train_bpe  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM, AttnResModel, make_hf_tokenizer  # noqa: E402
 from attnres.inference import generate  # noqa: E402
-from conftest import activation_checkpointing  # noqa: E402
+from conftest import activation_checkpointing, warned  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -129,13 +129,8 @@ def test_an_attnres_config_built_in_python_warns_of_a_field_its_variant_does_not
     said nothing, where the same ``ModelConfig(...)`` warns. It warns once, as it is built;
     saved and loaded again (config.json, a stored config) or made from a native config
     (``from_model_config``, which was warned of when built) it says nothing."""
-    import warnings
-
     def unread(call) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            call()
-        return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+        return warned(call, " is read only by ")
 
     made = []
     said = unread(lambda: made.append(AttnResConfig(residual={"kind": "attnres_full", "block_size": 4})))

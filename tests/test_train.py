@@ -45,6 +45,7 @@ from attnres.train import (  # noqa: E402
 from attnres.checkpoint import read_checkpoint_state  # noqa: E402
 from attnres.train.schedule import wsd_decay_start  # noqa: E402
 from attnres.train.optim import MUON_RMS_SCALE, param_groups  # noqa: E402
+from conftest import warned  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -1056,10 +1057,7 @@ def test_the_multi_stream_fields_are_compared_only_for_the_variants_that_read_th
 
 
 def _unread_warnings(call) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        call()
-    return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+    return warned(call, " is read only by ")
 
 
 def test_a_model_config_built_in_python_is_warned_of_a_field_its_variant_does_not_read_once():
@@ -1131,10 +1129,7 @@ def test_a_single_block_config_is_warned_of_once_by_the_statement_that_makes_it(
     from attnres.train import DataConfig
 
     def single(call) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            call()
-        return [str(w.message) for w in caught if "single block" in str(w.message)]
+        return warned(call, "single block")
 
     made = []
     assert len(single(lambda: made.append(ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
@@ -1162,10 +1157,7 @@ def test_a_single_block_run_is_warned_of_where_it_is_stated_not_where_its_stored
     from attnres.inference import load_run
 
     def single(call) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            call()
-        return [str(w.message) for w in caught if "single block" in str(w.message)]
+        return warned(call, "single block")
 
     run = tmp_path / "run"
     stated = overrides(corpus_file, run, stop_after=2, schedule="constant", warmup_steps=1, checkpoint_every=1,

@@ -24,7 +24,7 @@ from attnres.nn.residual.baselines import layerscale_init  # noqa: E402
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
 from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
-from conftest import activation_checkpointing, rel_err  # noqa: E402
+from conftest import activation_checkpointing, rel_err, warned  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -1928,13 +1928,8 @@ def test_upcycle_warns_of_a_setting_its_variant_does_not_read():
     """``upcycle(model, sinkhorn_iters=3)`` (Block AttnRes, the default) upcycled as if the
     setting were not there, without a word, where a model config warns of it. It warns once,
     naming the field and the variant that reads it; a field the variant reads says nothing."""
-    import warnings
-
     def unread(**kwargs) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            upcycle(base_model("llama", torch.float32), **kwargs)
-        return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+        return warned(lambda: upcycle(base_model("llama", torch.float32), **kwargs), " is read only by ")
 
     said = unread(block_size=2, sinkhorn_iters=3)
     assert len(said) == 1 and said[0].startswith("model.residual.sinkhorn_iters=3 is read only by mhc: residual.kind "
