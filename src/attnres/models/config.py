@@ -110,18 +110,18 @@ def _quiet() -> bool:
     return _reading.get() or reading_stored()
 
 
-def stated(build: Callable[[], Any], given: set[str], model: Callable[[Any], ModelConfig] = lambda c: c) -> Any:
+def stated(build: Callable[[], ModelConfig], given: set[str]) -> ModelConfig:
     """``build()``, a config the user states in Python over one of the package's
-    (``preset("tiny", residual={"kind": "standard", "block_size": 4})``, ``TrainConfig(model={...})``,
-    ``AttnResConfig(...)``), built within :func:`read_quietly` and then warned of the residual
-    fields ``given`` (those the user wrote, not the preset's own) that its variant does not
-    read, once (``model``: its ``ModelConfig``). Within :func:`read_quietly` itself (a config
-    file read by ``load_config``, which warns of its own), nothing is said."""
+    (``preset("tiny", residual={"kind": "standard", "block_size": 4})``, ``TrainConfig(model={...})``),
+    built within :func:`read_quietly` and then warned of the residual fields ``given`` (those
+    the user wrote, not the preset's own) that its variant does not read, once. Within
+    :func:`read_quietly` itself (a config file read by ``load_config``, which warns of its
+    own) or a stored config's reading, nothing is said."""
     quiet = _quiet()
     with read_quietly():
         built = build()
     if not quiet:
-        warn_unread_residual_fields(given, model(built))
+        warn_unread_residual_fields(given, built)
     return built
 
 
@@ -294,7 +294,8 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``).
+        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``); a
+        residual field the overrides give that their variant does not read is warned of.
         A name of :data:`RENAMED_PRESETS` gives its new preset, with a ``DeprecationWarning``."""
         if isinstance(name, str) and name in RENAMED_PRESETS:
             warn_user(f"model preset {name!r} is now called {RENAMED_PRESETS[name]!r} ({name!r} names the "
