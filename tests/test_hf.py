@@ -21,7 +21,7 @@ from attnres.cli import main as cli_main  # noqa: E402
 from attnres.data.tokenizer import ByteTokenizer, train_bpe  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM, AttnResModel, make_hf_tokenizer  # noqa: E402
 from attnres.inference import generate  # noqa: E402
-from conftest import activation_checkpointing  # noqa: E402
+from conftest import activation_checkpointing, warned  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -122,6 +122,23 @@ def test_config_refuses_an_option_the_decoder_does_not_have(option, value, does)
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
                 "sliding_window": None}[option]
     assert AttnResConfig(**fields, **{option: matching}).to_model_config() == AttnResConfig(**fields).to_model_config()
+
+
+def test_an_attnres_config_built_in_python_warns_of_a_field_its_variant_does_not_read_once(tmp_path):
+    """``AttnResConfig(residual={"kind": "attnres_full", "block_size": 4})`` built in Python
+    said nothing, where the same ``ModelConfig(...)`` warns. It warns once, as it is built;
+    saved and loaded again (config.json, a stored config) or made from a native config
+    (``from_model_config``, which was warned of when built) it says nothing."""
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    made = []
+    said = unread(lambda: made.append(AttnResConfig(residual={"kind": "attnres_full", "block_size": 4})))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=4 is read only by attnres_block")
+    made[0].save_pretrained(tmp_path)
+    assert unread(lambda: AttnResConfig.from_pretrained(tmp_path)) == []
+    assert unread(lambda: AttnResConfig.from_model_config(made[0].to_model_config())) == []
+    assert unread(lambda: AttnResConfig(residual={"kind": "attnres_block", "block_size": 4})) == []
 
 
 def test_cache_is_accepted_under_both_names():

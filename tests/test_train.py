@@ -45,6 +45,7 @@ from attnres.train import (  # noqa: E402
 from attnres.checkpoint import read_checkpoint_state  # noqa: E402
 from attnres.train.schedule import wsd_decay_start  # noqa: E402
 from attnres.train.optim import MUON_RMS_SCALE, param_groups  # noqa: E402
+from conftest import warned  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -1056,10 +1057,7 @@ def test_the_multi_stream_fields_are_compared_only_for_the_variants_that_read_th
 
 
 def _unread_warnings(call) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        call()
-    return [str(w.message) for w in caught if " is read only by " in str(w.message)]
+    return warned(call, " is read only by ")
 
 
 def test_a_model_config_built_in_python_is_warned_of_a_field_its_variant_does_not_read_once():
@@ -1080,6 +1078,29 @@ def test_a_model_config_built_in_python_is_warned_of_a_field_its_variant_does_no
     assert _unread_warnings(lambda: ModelConfig.preset("tiny").replace(residual="attnres_full")) == []
     assert len(_unread_warnings(lambda: load_config(None, ["model.residual=attnres_full",
                                                            "model.residual.block_size=4"]))) == 1
+
+
+def test_a_preset_or_train_config_stated_in_python_warns_of_a_field_its_variant_does_not_read_once():
+    """``ModelConfig.preset("tiny", residual={"kind": "standard", "block_size": 4})`` and
+    ``TrainConfig(model={"residual": {"kind": "mhc_lite", "sinkhorn_iters": 3}})`` built in
+    Python trained as if the field were not there without a word, where the same config on the
+    command line is warned of. Each warns once, of the fields the user gave (not the preset's
+    own block size, kept by a change of variant); ``TrainConfig.from_dict`` (a config file's,
+    which load_config warns of) says nothing."""
+    standard = {"kind": "standard", "block_size": 4}
+    said = _unread_warnings(lambda: ModelConfig.preset("tiny", residual=standard))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=4 is read only by attnres_block")
+    assert len(_unread_warnings(lambda: ModelConfig.preset("tiny", attnres_block_size=4, residual="attnres_full"))) == 1
+    lite = {"residual": {"kind": "mhc_lite", "sinkhorn_iters": 3}}
+    said = _unread_warnings(lambda: TrainConfig(model=lite))
+    assert len(said) == 1 and said[0].startswith("model.residual.sinkhorn_iters=3 is read only by mhc: residual.kind "
+                                                 "'mhc_lite'")
+    assert len(_unread_warnings(lambda: TrainConfig(model={"preset": "train-cpu", "residual": standard}))) == 1
+    assert _unread_warnings(lambda: TrainConfig(model={"residual": "standard"})) == []  # (the preset's block size)
+    assert _unread_warnings(lambda: TrainConfig(model="tiny")) == []
+    assert _unread_warnings(lambda: TrainConfig.from_dict({"model": lite})) == []
+    assert len(_unread_warnings(lambda: load_config(None, ["model.residual.kind=mhc_lite",
+                                                           "model.residual.sinkhorn_iters=3"]))) == 1
 
 
 def test_a_resume_without_a_config_file_checks_a_residual_field_against_the_runs_variant(tmp_path, corpus_file):
@@ -1108,10 +1129,7 @@ def test_a_single_block_config_is_warned_of_once_by_the_statement_that_makes_it(
     from attnres.train import DataConfig
 
     def single(call) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            call()
-        return [str(w.message) for w in caught if "single block" in str(w.message)]
+        return warned(call, "single block")
 
     made = []
     assert len(single(lambda: made.append(ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
@@ -1125,6 +1143,32 @@ def test_a_single_block_config_is_warned_of_once_by_the_statement_that_makes_it(
     assert single(lambda: train(made[-1])) == []
     model.residual.block_size = 16
     assert len(single(lambda: AttnResLM(model))) == 1
+
+
+def test_a_single_block_run_is_warned_of_where_it_is_stated_not_where_its_stored_config_is_read(tmp_path,
+                                                                                                corpus_file):
+    """A run of one block (block_size=4 of the tiny model's 4 sublayers) was warned of as it
+    started, and again at each reading of its stored config, each a new object the mark of
+    the statement did not cover: 9 times more by a resume that restates the config, 11 by
+    `attnres train --resume` without a config file (which restates nothing), twice by
+    ``load_run``. Stored configs are read within ``migrations.stored_config()``, quiet of it as
+    of their old keys; a resume whose command changes the model (``model.*``) is the user's
+    statement, and warned of."""
+    from attnres.inference import load_run
+
+    def single(call) -> list[str]:
+        return warned(call, "single block")
+
+    run = tmp_path / "run"
+    stated = overrides(corpus_file, run, stop_after=2, schedule="constant", warmup_steps=1, checkpoint_every=1,
+                       eval_every=100, diagnostics_every=100, **{"model.residual.block_size": 4})
+    assert len(single(lambda: train(load_config(None, stated)))) == 1
+    assert len(single(lambda: train(load_config(None, [*stated, "resume=true", "stop_after=3"])))) == 1
+    assert single(lambda: cli_main(["train", "--resume", f"out_dir={run}", "stop_after=4"])) == []
+    assert single(lambda: load_run(run)) == []
+    restated = single(lambda: cli_main(["train", "--resume", f"out_dir={run}", "--print-config",
+                                        "model.residual.block_size=5"]))
+    assert len(restated) == 1 and "block_size (attnres upcycle's --block-size) = 5" in restated[0]
 
 
 def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults(tmp_path, corpus_file):
@@ -1147,6 +1191,25 @@ def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults
     assert len(single) == 1 and "is at least the model's 8 sublayers" in single[0]
     (tmp_path / "empty").mkdir()  # (a run with no checkpoint yet: the defaults train, and are said)
     assert len(said(tmp_path / "empty", "model.residual.block_size=4")) == 1
+
+
+def test_a_resume_whose_run_config_fails_still_shows_the_overrides_own_warnings(tmp_path, corpus_file, capsys):
+    """`attnres train --resume-from CKPT model.attnres_block_size=4` (no out_dir: refused)
+    ended in the error alone: the warnings of the overrides, held back as they were of the
+    defaults' model, were dropped where the run's config then failed - the old spelling's
+    DeprecationWarning too, true of any config. It is shown, once, with the error; what was
+    said of the defaults' model (4 "is at least the model's 4 sublayers") is not of the run of
+    8 sublayers, and stays unsaid."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=1, checkpoint_every=1, eval_every=100,
+                                      diagnostics_every=100, **{"model.n_layers": 4})))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(SystemExit, match="without out_dir would continue it into the default out_dir"):
+            cli_main(["train", "--resume-from", str(latest_checkpoint(run)), "model.attnres_block_size=4"])
+    said = [str(w.message) for w in caught]
+    assert len([m for m in said if "attnres_block_size" in m]) == 1, said
+    assert not any("single block" in m for m in said), said
 
 
 def test_a_config_files_block_size_is_not_warned_of_when_the_command_changes_the_variant():

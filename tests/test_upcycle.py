@@ -24,7 +24,7 @@ from attnres.nn.residual.baselines import layerscale_init  # noqa: E402
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
 from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
-from conftest import activation_checkpointing, rel_err  # noqa: E402
+from conftest import activation_checkpointing, rel_err, warned  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -1922,6 +1922,20 @@ def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
                       "block to attend over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it "
                       "is 1: 6 blocks (about 8 where the depth allows, as the report recommends, §3.2)"]
     assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["block_size"] == 8
+
+
+def test_upcycle_warns_of_a_setting_its_variant_does_not_read():
+    """``upcycle(model, sinkhorn_iters=3)`` (Block AttnRes, the default) upcycled as if the
+    setting were not there, without a word, where a model config warns of it. It warns once,
+    naming the field and the variant that reads it; a field the variant reads says nothing."""
+    def unread(**kwargs) -> list[str]:
+        return warned(lambda: upcycle(base_model("llama", torch.float32), **kwargs), " is read only by ")
+
+    said = unread(block_size=2, sinkhorn_iters=3)
+    assert len(said) == 1 and said[0].startswith("model.residual.sinkhorn_iters=3 is read only by mhc: residual.kind "
+                                                 "'attnres_block'")
+    assert len(unread(residual={"kind": "attnres_full", "hc_streams": 2})) == 1
+    assert unread(block_size=2) == [] and unread(residual="attnres_full", full_group_size=2) == []
 
 
 def test_upcycling_doc_names_the_tokenizer_files_upcycle_needs_and_a_lone_tokenizer_json_is_one(tmp_path):

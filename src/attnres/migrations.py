@@ -47,6 +47,7 @@ __all__ = [
     "renamed_attribute",
     "accept_old_keys",
     "stored_config",
+    "reading_stored",
 ]
 
 #: ``ResidualConfig`` keys renamed: one name per axis of the depth-attention op.
@@ -93,13 +94,20 @@ def stored_config() -> Iterator[None]:
     ``DeprecationWarning``: for reading a config an earlier version stored (a grid run's
     ``config.json``, a checkpoint's ``state.json``), whose up to 13 old keys the user never
     wrote (``attnres compare --report-only`` over a committed grid warned of them as if the
-    user had). Other warnings are left as they are. Per thread and asyncio task: another
-    thread's configs (a config the user passes) still warn."""
+    user had). Block AttnRes' single-block warning is not given either (:func:`reading_stored`:
+    it was given when the run started, and a resume reads the config five times). Other
+    warnings are left as they are. Per thread and asyncio task: another thread's configs (a
+    config the user passes) still warn."""
     token = _reading_stored.set(True)
     try:
         yield
     finally:
         _reading_stored.reset(token)
+
+
+def reading_stored() -> bool:
+    """Whether a config built now is read within :func:`stored_config` (in this thread or task)."""
+    return _reading_stored.get()
 
 
 def _warn_deprecated_key(message: str) -> None:

@@ -123,7 +123,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     from ..models.config import warn_unread_residual_fields
     from ..train import TrainingDiverged, TrainingOutOfMemory, train
     from ..train.config import config_data, sets_vocab_size, yaml_dump
-    from ..train.resume import config_of_the_run, unregistered_in_the_resumed_run
+    from ..train.resume import unregistered_in_the_resumed_run
 
     try:
         try:
@@ -136,7 +136,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
         stored_in = None
         if config_path is None and config.resuming:  # the run's own config: no model to restate
             refuse_out_dir_not_a_run(config.out_dir)  # (before saying it resumes what is there)
-            config, stored_in = config_of_the_run(config, overrides)
+            config, stored_in = _the_runs_config(config, overrides, held)
             if stored_in is not None and rank_zero():
                 print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "
                       "the command's overrides applied", file=sys.stderr)
@@ -197,6 +197,32 @@ def _configured_held(config_path: str | None, overrides: list[str]) -> tuple:
         _show(held)
         raise failed
     return (*built, held)
+
+
+def _the_runs_config(config, overrides: list[str], held: list) -> tuple:
+    """:func:`~attnres.train.resume.config_of_the_run`, with the warnings it gives. Where it
+    fails, the ``held`` warnings that are the overrides' own are shown with them, before the
+    error: the ``DeprecationWarning`` of an old spelling (``model.attnres_block_size=2``) is
+    true of whatever config it is applied to, and may explain the error - it was dropped with
+    the rest (the run's config, built, gives it again; one not yet built did not). What was
+    said of the defaults' model (a single block of their depth) is not of the run, and stays
+    unsaid."""
+    import warnings
+
+    from ..train.resume import config_of_the_run
+
+    with warnings.catch_warnings(record=True) as said:
+        try:
+            found, failed = config_of_the_run(config, overrides), None
+        except BaseException as e:  # noqa: BLE001 - shown with the warnings, then raised as it was
+            found, failed = None, e
+    if failed is not None:
+        again = {str(w.message) for w in said}  # (given again by the run's config before it failed)
+        _show([w for w in held if issubclass(w.category, DeprecationWarning) and str(w.message) not in again])
+    _show(said)
+    if failed is not None:
+        raise failed
+    return found
 
 
 def _show(held: list) -> None:

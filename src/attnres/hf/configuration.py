@@ -20,7 +20,7 @@ import types
 from transformers import PretrainedConfig
 
 from ..checkpoint.locate import refuse_loading_training_output
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, read_quietly
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
@@ -75,7 +75,10 @@ class _AttnResConfigMethods(SavesAutoMap):
             )
         super().__post_init__(**kwargs)
         with naming_residual_module(module, self.residual["kind"], NATIVE_KEY):
-            self.to_model_config()  # validates every field, naming the bad one
+            # (validates every field, naming the bad one; built as ModelConfig(...) is, it warns of a residual field
+            # its variant does not read, as the user's statement - from_dict's config.json and from_model_config's
+            # native config, read quietly, were warned of where they were stated)
+            ModelConfig(**self._model_fields())
 
     @property
     def kv_heads(self) -> int:
@@ -120,7 +123,8 @@ class _AttnResConfigMethods(SavesAutoMap):
         if "residual" in kwargs:  # (transformers sets a kwarg as the whole attribute, unchecked: the stored block
             # size went back to its default without a word, into weights of the same shapes, or a KeyError 'kind')
             stored["residual"] = merge_residual(stored.get("residual"), kwargs.pop("residual"))
-        return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
+        with read_quietly():  # (a stored config.json: its residual fields were warned of when it was stated)
+            return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
 
     def to_dict(self) -> dict:
         """As ``PretrainedConfig.to_dict``, with the transformers names of :data:`HF_NAMES`
@@ -139,13 +143,18 @@ class _AttnResConfigMethods(SavesAutoMap):
 
     def to_model_config(self) -> ModelConfig:
         """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field)."""
+        return ModelConfig.from_dict(self._model_fields())
+
+    def _model_fields(self) -> dict:
+        """The :class:`attnres.ModelConfig` fields this config holds."""
         fields = {name: getattr(self, name) for name in _MODEL_FIELDS}
-        return ModelConfig.from_dict({k: v for k, v in fields.items() if not (k in _FACTORY_FIELDS and v is None)})
+        return {k: v for k, v in fields.items() if not (k in _FACTORY_FIELDS and v is None)}
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs) -> AttnResConfig:
         """Build from a native config; ``kwargs`` set HF fields (e.g. ``eos_token_id``)."""
-        return cls(**config.to_dict(), **kwargs)
+        with read_quietly():  # (the native config was warned of where it was stated)
+            return cls(**config.to_dict(), **kwargs)
 
 
 def _check_extra_keys(config, extra: dict) -> None:

@@ -6,19 +6,19 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
+from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, reading_stored, renamed_attribute
 from ..nn.residual import (ResidualConfig, build_residual, registered_residuals, residual_class,
                            validate_residual_config)
 from ..nn.residual.config import VARIANT_FIELDS, merge_residual
 from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
-__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "readers_in_words",
-           "residual_fields_given", "warn_unread_residual_fields"]
+__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "read_quietly",
+           "readers_in_words", "residual_fields_given", "stated", "warn_unread_residual_fields"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
@@ -43,26 +43,32 @@ def residual_fields_given(spec: Any) -> set[str]:
     if not isinstance(spec, dict):
         return set()
     residual = spec.get("residual")
+    if isinstance(residual, ResidualConfig):  # (preset("tiny", residual=ResidualConfig(...)) in Python)
+        return _fields_set(residual)
     given = {name for name in VARIANT_FIELDS if isinstance(residual, dict) and residual.get(name) is not None}
     return given | {path[0] for key, path in FLAT_RESIDUAL_KEYS.items()
                     if path[0] in VARIANT_FIELDS and spec.get(key) is not None}
 
 
-def warn_unread_residual_fields(given: set[str], config: ModelConfig) -> None:
+def warn_unread_residual_fields(given: set[str], config: ModelConfig | ResidualConfig) -> None:
     """Warn once for each of ``given`` (:func:`residual_fields_given`) that ``config``'s variant
     does not read: ``residual.kind=attnres_full`` with ``residual.block_size=4`` trained as if
     the block size were not there. A warning, not a refusal: the field is kept in the run's
     config, and a run may be resumed as a variant that reads it (allow_residual_change).
 
     The one warning of it, given where the user states the config: ``ModelConfig(...)`` built
-    in Python (the fields it holds other than their defaults), ``load_config`` (the config
-    file's and the overrides' fields), ``attnres train`` (the same, checked against the config
-    it trains: a resume without a config file the run's own). ``from_dict``, ``replace`` and
-    ``preset`` say nothing (:func:`_read_quietly`): they read stored configs and config files,
-    and keep the fields a change of variant leaves, as documented."""
-    kind = config.residual.kind
+    in Python (the fields it holds other than their defaults), ``preset(name, **overrides)``
+    and ``TrainConfig(model={...})`` (the fields the overrides or the mapping give, not the
+    preset's own: :func:`stated`), ``load_config`` (the config file's and the overrides'
+    fields), ``attnres train`` (the same, checked against the config it trains: a resume
+    without a config file the run's own), ``AttnResConfig(...)`` and ``upcycle(...)``.
+    ``from_dict`` and ``replace`` say nothing (:func:`read_quietly`): they read stored configs
+    and config files, and keep the fields a change of variant leaves, as documented.
+    ``config``: a ``ModelConfig``, or the ``ResidualConfig`` alone (``upcycle``'s)."""
+    residual = config.residual if isinstance(config, ModelConfig) else config
+    kind = residual.kind
     for name in sorted(given - residual_class(kind).reads_fields):
-        warn_user(f"model.residual.{name}={getattr(config.residual, name)!r} is read only by "
+        warn_user(f"model.residual.{name}={getattr(residual, name)!r} is read only by "
                   f"{readers_in_words(name, 'and') or 'no registered variant'}: residual.kind {kind!r} builds the "
                   f"same model whatever it holds, so it is not used (leave it out, or set model.residual.kind to "
                   f"{readers_in_words(name, 'or') or 'the variant that reads it'})")
@@ -79,21 +85,44 @@ def _listed(names: list[str], conjunction: str) -> str:
     return f" {conjunction} ".join(filter(None, (", ".join(names[:-1]), *names[-1:])))
 
 
-# True within _read_quietly, in its own thread (or asyncio task) only, as migrations.stored_config.
+# True within read_quietly, in its own thread (or asyncio task) only, as migrations.stored_config.
 _reading: contextvars.ContextVar[bool] = contextvars.ContextVar("attnres_model_config_reading", default=False)
 
 
 @contextlib.contextmanager
-def _read_quietly() -> Iterator[None]:
+def read_quietly() -> Iterator[None]:
     """Within it, a ``ModelConfig`` built does not warn of the residual fields its variant does
-    not read (``from_dict`` and what builds on it): a stored config was warned of when its run
-    started, a config file is by ``load_config``, and ``preset("tiny", residual="standard")``
-    keeps the preset's block size as ``replace`` documents."""
+    not read (``from_dict`` and what builds on it, ``TrainConfig.from_dict``): a stored config
+    was warned of when its run started, a config file is by ``load_config`` (of the fields the
+    user gave, which it knows), and ``preset("tiny", residual="standard")`` keeps the preset's
+    block size as ``replace`` documents."""
     token = _reading.set(True)
     try:
         yield
     finally:
         _reading.reset(token)
+
+
+def _quiet() -> bool:
+    """Whether a config built now is not the user's statement: read within :func:`read_quietly`,
+    or within ``migrations.stored_config()`` (a stored config, whose warnings were given when
+    its run started: the deprecated keys' and the single block's too)."""
+    return _reading.get() or reading_stored()
+
+
+def stated(build: Callable[[], ModelConfig], given: set[str]) -> ModelConfig:
+    """``build()``, a config the user states in Python over one of the package's
+    (``preset("tiny", residual={"kind": "standard", "block_size": 4})``, ``TrainConfig(model={...})``),
+    built within :func:`read_quietly` and then warned of the residual fields ``given`` (those
+    the user wrote, not the preset's own) that its variant does not read, once. Within
+    :func:`read_quietly` itself (a config file read by ``load_config``, which warns of its
+    own) or a stored config's reading, nothing is said."""
+    quiet = _quiet()
+    with read_quietly():
+        built = build()
+    if not quiet:
+        warn_unread_residual_fields(given, built)
+    return built
 
 
 def _fields_set(residual: ResidualConfig) -> set[str]:
@@ -155,7 +184,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self.residual = ResidualConfig.from_value(self.residual)
         self.validate()
-        if not _reading.get():  # (built in Python: the user's own statement)
+        if not _quiet():  # (built in Python: the user's own statement)
             warn_unread_residual_fields(_fields_set(self.residual), self)
 
     def __getattr__(self, name: str) -> Any:
@@ -256,7 +285,7 @@ class ModelConfig:
                              "name: ModelConfig.preset(name))")
         data = migrate_model_keys(data)
         _CHECK.known_keys(data, _FIELDS, SECTIONS)
-        with _read_quietly():
+        with read_quietly():
             return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -265,7 +294,8 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``).
+        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``); a
+        residual field the overrides give that their variant does not read is warned of.
         A name of :data:`RENAMED_PRESETS` gives its new preset, with a ``DeprecationWarning``."""
         if isinstance(name, str) and name in RENAMED_PRESETS:
             warn_user(f"model preset {name!r} is now called {RENAMED_PRESETS[name]!r} ({name!r} names the "
@@ -273,7 +303,9 @@ class ModelConfig:
             name = RENAMED_PRESETS[name]
         if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")
-        return cls.from_dict(_merge(PRESETS[name], migrate_model_keys(overrides)))
+        changes = migrate_model_keys(overrides)
+        # (the user's statement: the residual fields the overrides give are warned of, not the preset's block size)
+        return stated(lambda: cls.from_dict(_merge(PRESETS[name], changes)), residual_fields_given(changes))
 
 
 def require_model_config(config: Any, who: str) -> None:

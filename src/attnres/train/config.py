@@ -14,8 +14,8 @@ from ..data.corpus import read_text_file
 from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
 from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
-from ..models.config import (PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig, residual_fields_given,
-                             warn_unread_residual_fields)
+from ..models.config import (PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig, read_quietly,
+                             residual_fields_given, stated, warn_unread_residual_fields)
 from ..models.hf_registry import hf_hook
 from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
@@ -318,7 +318,11 @@ class TrainConfig:
         data = {k: v for k, v in data.items() if not (v is None and k in ("model", "data", "parallel"))}
         # (a section's field given at the top level, ``val_fraction=0.1``, is named as the section's)
         check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)}, sections=_SECTIONS)
-        return cls(**data)  # (__post_init__ reads the sections)
+        # (quietly of the residual fields a variant does not read: load_config and `attnres train` warn of those the
+        # user gave, which they know - a config file's block size for its Block AttnRes is not one under
+        # model.residual=standard - and a stored config was warned of when its run started)
+        with read_quietly():
+            return cls(**data)  # (__post_init__ reads the sections)
 
 
 @dataclass(frozen=True)
@@ -410,7 +414,9 @@ def model_from_spec(spec: Any) -> ModelConfig:
     the preset named by its ``preset`` key (default: :data:`DEFAULT_MODEL_PRESET`, as for
     ``model.X=...`` overrides) - or ``from_hf``, a saved ``transformers`` directory of a
     supported family (plain or AttnRes), whose model it describes. (``ModelConfig.from_dict``
-    starts from the class defaults instead.)"""
+    starts from the class defaults instead.) A residual field of the mapping that its variant
+    does not read is warned of (``TrainConfig(model={...})`` in Python), except within
+    :func:`~attnres.models.config.read_quietly` (``TrainConfig.from_dict``: its callers warn)."""
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
@@ -425,7 +431,8 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            return ModelConfig.from_dict(_fields_of_hf_directory(source)).replace(**fields)
+            return stated(lambda: ModelConfig.from_dict(_fields_of_hf_directory(source)).replace(**fields),
+                          residual_fields_given(fields))
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
         if preset is not None:  # (a list or mapping here failed in a dict lookup, with a traceback)

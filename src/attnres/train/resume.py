@@ -74,7 +74,7 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
         base["data"] = {**base["data"], "paths": paths}
     launch = {k: v for k, v in config.to_dict().items() if k in PER_LAUNCH}
     try:
-        resumed = TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides))
+        resumed = TrainConfig.from_dict(_the_runs_model(apply_overrides({**base, **launch}, overrides), overrides))
     except ValueError as e:  # (a residual of the user's, its module not imported: the one the run recorded)
         missing = unregistered_residual_error(e, found[1].get("imports"))
         if missing is None:
@@ -83,6 +83,18 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
     if not any(o.partition("=")[0].strip() in ("data", "data.paths") for o in overrides):
         _refuse_moved_data(resumed.data.paths, found[0])
     return resumed, found[0]
+
+
+def _the_runs_model(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``data`` (the run's stored config with ``overrides``) with its model read as stored
+    (within ``stored_config()``) where no override changes it: the run's own, warned of when
+    the run started - its single block was said again at each ``--resume``. A ``model.*``
+    override restates it, and is warned of as the user's."""
+    if any(o.partition("=")[0].strip().split(".")[0] == "model" for o in overrides) or \
+            not isinstance(data.get("model"), dict):
+        return data
+    with stored_config():
+        return {**data, "model": model_from_spec(data.get("model"))}
 
 
 def _refuse_the_default_out_dir(config: TrainConfig, checkpoint: Path) -> None:

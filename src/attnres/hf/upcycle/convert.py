@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ...models.config import residual_fields_given, warn_unread_residual_fields
 from ...nn.residual import ResidualConfig, validate_residual_config
 from ...nn.residual.config import merge_residual
 from ...shell_words import shell_path
@@ -37,7 +38,8 @@ def upcycle(
     sources, which makes the result the pretrained function up to rounding
     (docs/upcycling.md). ``model`` is left as it is: the result is a copy (same device and
     dtype), an ``AttnRes<Family>ForCausalLM`` that saves, loads and generates like the
-    original.
+    original. A field given that the variant does not read (``sinkhorn_iters`` of Block
+    AttnRes) is warned of, as in a model config.
     """
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"upcycle takes a transformers causal LM, got {type(model).__name__}{_hint(model)}")
@@ -51,6 +53,9 @@ def upcycle(
     if block_size is not None and residual_config.kind != "attnres_block":  # (it would be ignored)
         raise ValueError(f"block_size is Block AttnRes' S; residual {residual_config.kind!r} takes none (use "
                          "residual='attnres_block', the default)")
+    # (upcycle(model, sinkhorn_iters=3) of Block AttnRes built the model as if it were not there, without a word)
+    warn_unread_residual_fields(residual_fields_given({"residual": residual}) | residual_fields_given({"residual": settings}),
+                                residual_config)
     new = copy.deepcopy(model)
     new.__class__ = model_cls
     _replace_config(new, upcycled_config(model.config, residual_config, exact_eps))

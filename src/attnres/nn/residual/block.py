@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...migrations import reading_stored
 from ...ops import Operations
 from ...user_warning import warn_user
 from ...validation import Int
@@ -168,11 +169,15 @@ def _warn_single_block_once(config: ResidualConfig, n_sublayers: int) -> None:
     checked again by what takes it (``AttnResLM(config)``, ``TrainConfig(model=config)``, the
     train loop), which repeated the warning of the statement that made it. The mark is kept
     on the object (a copy keeps it, as ``AttnResLM`` takes one); another block size or depth
-    is warned again."""
+    is warned again. A config read within ``migrations.stored_config()`` (a checkpoint's, a
+    run's ``config.json``: the stored configs, as the deprecated keys' warning) is marked
+    without a word: it was warned of when its run started, and a resume read it again five
+    times, each a new object that the mark did not cover."""
     said = (config.block_size, n_sublayers)
     if vars(config).get(_SAID_SINGLE_BLOCK) == said:  # (vars: ResidualConfig.__getattr__ answers renamed fields)
         return
-    _warn_single_block(*said)
+    if not reading_stored():
+        _warn_single_block(*said)
     vars(config)[_SAID_SINGLE_BLOCK] = said  # (after it: a warning raised as an error is raised again)
 
 
