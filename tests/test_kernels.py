@@ -20,6 +20,12 @@ from conftest import (GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close
 pytestmark = pytest.mark.triton
 
 
+def block_of_three(residual: str) -> dict:
+    """``residual``'s config for a 4-sublayer model: Block AttnRes in blocks of 3 (a ragged last
+    block), Full without a block size (it reads none: a warning)."""
+    return {"kind": residual, **({"block_size": 3} if residual == "attnres_block" else {})}
+
+
 @pytest.fixture
 def device() -> str:
     """Where the Triton kernels run (the reference models stay on the CPU)."""
@@ -56,7 +62,7 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
 
     monkeypatch.setattr(triton_impl, "merge_forward", spy)
 
-    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3}, n_layers=2, d_model=36, n_heads=3,
+    cfg = ModelConfig.preset("tiny", residual=block_of_three(residual), n_layers=2, d_model=36, n_heads=3,
                              n_kv_heads=3)
     torch.manual_seed(0)
     fast = AttnResLM(cfg.replace(residual={"backend": "triton"}))
@@ -96,7 +102,7 @@ def test_torch_compile_traces_around_the_kernels(residual, device):
     from attnres import AttnResLM, ModelConfig
 
     torch._dynamo.reset()
-    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3, "backend": "triton"}, n_layers=2)
+    cfg = ModelConfig.preset("tiny", residual={**block_of_three(residual), "backend": "triton"}, n_layers=2)
     torch.manual_seed(0)
     model = AttnResLM(cfg).to(device)
     ids = torch.randint(0, cfg.vocab_size, (2, 5)).to(device)
@@ -140,7 +146,7 @@ def test_diagnostics_and_norm_hooks_on_the_fused_kernel_path(residual, device):
     from attnres import AttnResLM, ModelConfig
     from attnres.analysis import forward_diagnostics
 
-    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3}, n_layers=2)
+    cfg = ModelConfig.preset("tiny", residual=block_of_three(residual), n_layers=2)
     torch.manual_seed(0)
     fused = AttnResLM(cfg.replace(residual={"backend": "triton"}))
     randomize_residual(fused)

@@ -187,8 +187,8 @@ def test_flops_come_from_the_variant_and_an_uncounted_one_says_so():
         residual_flops_forward(ModelConfig.preset("tiny", residual="uncounted_test"))
 
 
-@pytest.mark.parametrize("residual, block_size", [("standard", 4), ("attnres_block", 4), ("attnres_block", 3),
-                                                  ("attnres_full", 4), ("scaled_test", 4)])
+@pytest.mark.parametrize("residual, block_size", [("standard", None), ("attnres_block", 4), ("attnres_block", 3),
+                                                  ("attnres_full", None), ("scaled_test", None)])
 @pytest.mark.parametrize("schedule", ["two_phase", "naive"])
 def test_history_and_resume_cut_the_stream_anywhere(residual, block_size, schedule):
     """``history`` then ``resume`` at every sublayer gives the uninterrupted forward, and the
