@@ -451,3 +451,23 @@ def test_a_checkpoint_written_before_the_first_step_resumes_with_a_fresh_optimis
         m(torch.ones(1, 3)).sum().backward()
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+
+
+@pytest.mark.parametrize("rng", [{"generator": torch.zeros(3, dtype=torch.uint8)}, {"torch_cpu": torch.zeros(3)}])
+def test_an_rng_file_without_the_cpu_state_is_named(tmp_path, rng):
+    """A sharded checkpoint whose ``rng.safetensors`` (its hash matching: written by another
+    tool) holds no ``torch_cpu`` ended ``load_sharded`` - and a resume - in a bare
+    ``KeyError: 'torch_cpu'`` (one of another type or size, in torch's TypeError or
+    RuntimeError): a CheckpointError names the checkpoint, the file and the key."""
+    from attnres.checkpoint import load_sharded, read_checkpoint_state
+    from attnres import ModelConfig
+    from safetensors.torch import save_file
+
+    path = sharded_checkpoint(tmp_path / "run")
+    save_file(rng, str(path / "rng.safetensors"))
+    rewrite_manifest(path)
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    with pytest.raises(CheckpointError, match=rf"^checkpoint '{path}' cannot be resumed: rng.safetensors holds "
+                                              r"(no 'torch_cpu' \(holds \['generator'\]\)|an invalid 'torch_cpu' \(RNG "
+                                              r"state must be a torch.ByteTensor\)), the CPU generator's state"):
+        load_sharded(path, dict(model.named_parameters()))

@@ -296,9 +296,17 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 def restore_rng(path: str | Path, cuda: bool = True) -> None:
     """Set the torch generators from checkpoint ``path``'s ``rng.safetensors``: the CPU's,
-    and with ``cuda`` the CUDA devices' where their number matches."""
+    and with ``cuda`` the CUDA devices' where their number matches. :class:`CheckpointError`
+    naming the file and the key where it holds no valid CPU state (a file that verifies, as
+    one written by another tool, ended in a bare ``KeyError``)."""
     rng = load_file(str(Path(path) / RNG_FILE))
-    torch.set_rng_state(rng["torch_cpu"])
+    try:
+        torch.set_rng_state(rng["torch_cpu"])
+    except (KeyError, TypeError, RuntimeError) as e:  # (missing; not a ByteTensor; not the generator's size)
+        problem = f"holds no 'torch_cpu' (holds {sorted(rng)})" if isinstance(e, KeyError) else \
+            f"holds an invalid 'torch_cpu' ({e})"
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be resumed: {RNG_FILE} {problem}, the CPU "
+                              "generator's state save_checkpoint and save_sharded store") from None
     # (by device number: sorted as strings, device 10 would come before device 2)
     states = [rng[k] for k in sorted((k for k in rng if k.startswith(_CUDA_RNG)), key=lambda k: int(k[len(_CUDA_RNG):]))]
     if cuda and states and torch.cuda.is_available() and len(states) == torch.cuda.device_count():
