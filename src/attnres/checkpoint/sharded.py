@@ -236,15 +236,53 @@ def _as_stored(sd: dict[str, Tensor], stored: Mapping[str, object]) -> dict[str,
     return {key if key in stored else theirs.get(key, key): value for key, value in sd.items()}
 
 
+def _verify(path: Path) -> dict[str, Any]:
+    """The verified ``state.json`` of the sharded checkpoint ``path`` (every file's size and
+    SHA-256, every file its DCP metadata names among them)."""
+    state = read_checkpoint_state(path)
+    if not is_sharded(state):
+        raise CheckpointError(f"checkpoint {str(path)!r} is consolidated, not sharded: load it with "
+                              "attnres.checkpoint.load_checkpoint(path, model, optimizer)")
+    verify_dcp_files(path, state)
+    return state
+
+
+def _verify_once(path: Path) -> dict[str, Any]:
+    """:func:`_verify` of ``path`` on rank 0, its outcome on every rank of the default
+    process group (one process: there): each rank hashing every shard would read the whole
+    checkpoint once per rank, and a rank that raised alone would leave the others waiting in
+    DCP's first collective. Every rank raises :class:`CheckpointError` when it fails."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return _verify(path)
+    outcome: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", _verify(path))
+        except Exception as e:  # noqa: BLE001 - any failure (an unreadable file's OSError too) is every rank's
+            outcome[0] = ("error", str(e) if isinstance(e, CheckpointError) else
+                          f"checkpoint {str(path)!r} cannot be verified: {describe_failure(e)}")
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
-                 restore_rng: bool = True) -> None:
+                 restore_rng: bool = True, verified: dict[str, Any] | None = None) -> None:
     """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout; a compiled
     part's ``_orig_mod.`` names are read as their own, and so are those an earlier version
-    stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this."""
+    stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this.
+    ``verified``: the checkpoint's ``state.json``, where the caller has verified it (as the
+    trainer has, :func:`~attnres.checkpoint.find_valid_checkpoint`: its shards are not hashed
+    again); without it rank 0 verifies it first (every file's SHA-256: a damaged shard loaded
+    as it was, without a word) and every rank raises :class:`CheckpointError` if it fails."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
+    if verified is None:
+        _verify_once(path)
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
     reader = _reader(path)
     stored = reader.read_metadata().state_dict_metadata
