@@ -533,45 +533,94 @@ def test_a_run_from_a_sharded_checkpoint_hashes_its_shards_once(tmp_path, monkey
 
 
 def worker(root: Path) -> None:
-    """On each of 2 ranks (``torchrun --nproc-per-node 2 this-file root``): save a sharded
-    checkpoint, rank 0 damages one of its shards, and every rank loads it with
-    ``load_sharded``; each records how that ended in ``<root>/rank<r>.json``."""
+    """On each of 2 ranks (``torchrun --nproc-per-node 2 this-file root``), through the Python
+    API: ``save_sharded`` with its defaults; ``save_sharded`` that fails on rank 0 alone (a
+    shard out of its sight); ``load_sharded`` of a checkpoint one of whose shards rank 0
+    damaged. Each rank records how each ended in ``<root>/rank<r>.json``."""
+    import datetime
+
     import torch.distributed as dist
 
-    from attnres.checkpoint import load_sharded
+    from attnres.checkpoint import load_sharded, read_checkpoint_state, sharded
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # (a rank left waiting: fails, not hangs)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    path = save_sharded(root / "run", 1, dict(model.named_parameters()), torch.optim.AdamW(model.parameters()), {},
-                        keep=1, main=rank == 0)
+    params = dict(model.named_parameters())
+    ended: dict[str, str] = {}
+
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+            ended[name] = "done"
+        except Exception as e:  # noqa: BLE001 - recorded for the test to read
+            ended[name] = f"{type(e).__name__}: {e}"
+
+    def save(step: int) -> Path:
+        return save_sharded(root / "run", step, params, torch.optim.AdamW(model.parameters()), {}, keep=2)
+
+    attempt("defaults", lambda: read_checkpoint_state(save(1)))  # (published whole: it verifies)
     if rank == 0:
-        (root / "damaged").write_text(damage(path).name)
+        def out_of_sight(tmp: Path) -> None:
+            raise CheckpointError("a shard out of sight")
+
+        sharded._check_shards_in_sight = out_of_sight
+    attempt("rank 0 fails", lambda: save(2))
     dist.barrier()
-    try:
-        load_sharded(path, dict(model.named_parameters()))
-        ended = "loaded"
-    except CheckpointError as e:
-        ended = str(e)
+    first = root / "run" / "checkpoints" / "step-00000001"
+    if rank == 0 and first.is_dir():
+        (root / "damaged").write_text(damage(first).name)
+    dist.barrier()
+    attempt("damaged", lambda: load_sharded(first, params))
     (root / f"rank{rank}.json").write_text(json.dumps(ended))
     dist.barrier()  # (every rank has answered: none was left waiting)
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
+    """The worker's launch on 2 ranks: its root and how each scenario ended on each rank."""
+    from distributed_utils import torchrun
+
+    root = tmp_path_factory.mktemp("two-ranks")
+    torchrun(2, __file__, str(root))
+    return root, [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 @pytest.mark.slow  # one more 2-process launch, about 20 s
-def test_load_sharded_of_a_damaged_checkpoint_fails_on_every_rank_together(tmp_path):
+def test_save_sharded_with_its_defaults_publishes_once_on_several_ranks(two_ranks):
+    """``save_sharded(out_dir, step, params, optimizer, run_state, keep)`` on several ranks
+    made every rank main (``main=True``): each removed the temporary directory the others
+    wrote into, and published; it failed. Rank 0 of the default process group is main."""
+    _, ended = two_ranks
+    assert ended[0]["defaults"] == ended[1]["defaults"] == "done", ended  # (and it verified)
+
+
+@pytest.mark.slow  # (the same launch)
+def test_save_sharded_failing_on_one_rank_fails_on_every_rank(two_ranks):
+    """The default ``agree`` raised a rank's error on that rank alone: the others waited in a
+    barrier for it (until the process group's timeout). Every rank raises it; nothing is
+    published."""
+    root, ended = two_ranks
+    message = (f"CheckpointWriteError: could not write checkpoint step-00000002 in "
+               f"{str(root / 'run' / 'checkpoints')!r}: a shard out of sight; nothing of it was kept")
+    assert ended[0]["rank 0 fails"].startswith(message) and ended[1]["rank 0 fails"] == ended[0]["rank 0 fails"], ended
+    assert sorted(p.name for p in (root / "run" / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+@pytest.mark.slow  # (the same launch)
+def test_load_sharded_of_a_damaged_checkpoint_fails_on_every_rank_together(two_ranks):
     """On several ranks ``load_sharded`` verifies the checkpoint once (rank 0 hashes it, as the
     trainer does) and every rank raises the same CheckpointError: none loads the damaged
     shard, and none is left waiting in DCP's collectives for a rank that raised alone."""
-    from distributed_utils import torchrun
-
-    torchrun(2, __file__, str(tmp_path))
-    shard = (tmp_path / "damaged").read_text()
-    ended = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ended[0] == ended[1] == (f"checkpoint {str(tmp_path / 'run' / 'checkpoints' / 'step-00000001')!r} is "
-                                    f"corrupted: dcp/{shard} does not match its SHA-256 in state.json"), ended
+    root, ended = two_ranks
+    path = root / "run" / "checkpoints" / "step-00000001"
+    shard = (root / "damaged").read_text()
+    assert ended[0]["damaged"] == ended[1]["damaged"] == (
+        f"CheckpointError: checkpoint {str(path)!r} is corrupted: dcp/{shard} does not match its SHA-256 in "
+        "state.json"), ended
 
 
 if __name__ == "__main__":

@@ -88,13 +88,27 @@ def _state_dict(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimize
     return sd
 
 
-def _alone(error: Exception | None) -> None:
-    """The default ``agree`` of :func:`save_sharded`: raise this rank's error, else wait for
-    the others (if any)."""
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of the default process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree_on_default_group(error: Exception | None) -> None:
+    """The default ``agree`` of :func:`save_sharded`: every rank of the default process group
+    raises when any rank passes an error (that rank its own, the others the lowest failing
+    rank's as a :class:`CheckpointWriteError`); a rank that raised alone left the others
+    waiting in the next collective. In one process: ``error`` itself, if any."""
+    if not _several_ranks():
+        if error is not None:
+            raise error
+        return
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, None if error is None else str(error))
     if error is not None:
         raise error
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    first = next((report for report in reports if report is not None), None)
+    if first is not None:
+        raise CheckpointWriteError(first)
 
 
 def _attempt(fn: Callable[[], None], final: Path) -> CheckpointWriteError | None:
@@ -122,14 +136,17 @@ def _check_shards_in_sight(tmp: Path) -> None:
 
 
 def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
-                 run_state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None, main: bool = True,
-                 agree: Callable[[Exception | None], None] = _alone) -> Path:
+                 run_state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None,
+                 main: bool | None = None,
+                 agree: Callable[[Exception | None], None] = _agree_on_default_group) -> Path:
     """Write the sharded checkpoint of ``step`` (every rank calls this, with its own
     ``params``: full-model names to this rank's parameters, DTensors where sharded, stored
     without ``torch.compile``'s ``_orig_mod.`` as :func:`~attnres.checkpoint.write_checkpoint`
     stores them); returns its directory. ``main``: this rank writes the run state (rank 0), after checking that
-    it sees every file the DCP metadata names. ``agree(error)``: a collective that raises on
-    every rank when any rank passes an error (the trainer's: every rank stops together).
+    it sees every file the DCP metadata names; ``None``: rank 0 of the default process group
+    (every rank was main by default, each removing the others' files and publishing). ``agree(error)``:
+    a collective that raises on every rank when any rank passes an error (the default's on the default
+    process group; the trainer's, on its own: every rank stops together).
 
     Raises :class:`CheckpointWriteError` when it cannot be written or completed (nothing is
     published, the earlier checkpoints stay, the temporary files are removed on every rank)."""
@@ -137,6 +154,8 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     from torch.distributed.checkpoint.api import CheckpointException
 
     check_sizes("save_sharded", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
+    if main is None:
+        main = not _several_ranks() or dist.get_rank() == 0
     files = check_extra_files(files, {DCP_DIR, RNG_FILE, STATE_FILE}, "save_sharded")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-dcp"
@@ -252,7 +271,7 @@ def _verify_once(path: Path) -> dict[str, Any]:
     process group (one process: there): each rank hashing every shard would read the whole
     checkpoint once per rank, and a rank that raised alone would leave the others waiting in
     DCP's first collective. Every rank raises :class:`CheckpointError` when it fails."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _several_ranks():
         return _verify(path)
     outcome: list[Any] = [None]
     if dist.get_rank() == 0:
