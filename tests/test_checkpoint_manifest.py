@@ -232,9 +232,11 @@ def test_a_step_written_again_survives_a_kill_while_it_is_replaced(tmp_path, mon
     checkpoint before renaming the new one into place: a kill in between lost the step (a
     resume went back to the one before it). The old one is moved aside (``.old-step-*``)
     first; the next run's start (``remove_partial_checkpoints``) renames it back when the new
-    one never came, else deletes it. The step verifies either way, the old or the new one."""
+    one never came (and says so), else deletes it. The step verifies either way, the old or the
+    new one."""
     import os
     import shutil
+    import warnings
 
     from attnres.checkpoint import checkpoint_dirs, manifest, remove_partial_checkpoints
 
@@ -257,7 +259,11 @@ def test_a_step_written_again_survives_a_kill_while_it_is_replaced(tmp_path, mon
     with pytest.raises(KeyboardInterrupt):
         _written(tmp_path, 2, keep=2, sharded=sharded)
     monkeypatch.undo()
-    remove_partial_checkpoints(tmp_path / "run")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        remove_partial_checkpoints(tmp_path / "run")
+    restored = [str(w.message) for w in said if "restored step-00000002" in str(w.message)]
+    assert len(restored) == (killed == "before the new one is renamed in"), [str(w.message) for w in said]
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000001", "step-00000002"]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")) == []
     files = read_checkpoint_state(tmp_path / "run" / "checkpoints" / "step-00000002")["files"]

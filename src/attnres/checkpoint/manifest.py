@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..output_paths import honour_umask
+from ..user_warning import warn_user
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
@@ -159,6 +160,8 @@ def _restore_replaced(root: Path) -> None:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.replace(aside, final)
+            warn_user(f"restored {final.name} in {str(root)!r}: a run killed while writing that step again had "
+                      f"moved it aside ({aside.name}) and not yet renamed the new one in")
 
 
 def remove_partial_checkpoints(out_dir: str | Path) -> list[Path]:
