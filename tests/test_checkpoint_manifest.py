@@ -226,6 +226,51 @@ def test_a_checkpoints_files_and_its_rename_reach_the_disk_before_the_rotation(t
 
 
 @pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("killed", ["before the new one is renamed in", "before the old one is deleted"])
+def test_a_step_written_again_survives_a_kill_while_it_is_replaced(tmp_path, monkeypatch, sharded, killed):
+    """Writing a step a run holds already (a run resumed from an earlier one) deleted the old
+    checkpoint before renaming the new one into place: a kill in between lost the step (a
+    resume went back to the one before it). The old one is moved aside (``.old-step-*``)
+    first; the next run's start (``remove_partial_checkpoints``) renames it back when the new
+    one never came (and says so), else deletes it. The step verifies either way, the old or the
+    new one."""
+    import os
+    import shutil
+    import warnings
+
+    from attnres.checkpoint import checkpoint_dirs, manifest, remove_partial_checkpoints
+
+    _written(tmp_path, 1, keep=2, sharded=sharded)
+    old = read_checkpoint_state(_written(tmp_path, 2, keep=2, sharded=sharded))["files"]
+    real_replace, real_rmtree = os.replace, shutil.rmtree
+
+    def replace(src, dst):
+        if killed == "before the new one is renamed in" and Path(src).name.startswith(".tmp-"):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    def rmtree(path, *args, **kwargs):
+        if killed == "before the old one is deleted" and Path(path).name.startswith(".old-") and Path(path).exists():
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    monkeypatch.setattr(manifest.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        _written(tmp_path, 2, keep=2, sharded=sharded)
+    monkeypatch.undo()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        remove_partial_checkpoints(tmp_path / "run")
+    restored = [str(w.message) for w in said if "restored step-00000002" in str(w.message)]
+    assert len(restored) == (killed == "before the new one is renamed in"), [str(w.message) for w in said]
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")) == []
+    files = read_checkpoint_state(tmp_path / "run" / "checkpoints" / "step-00000002")["files"]
+    assert (files == old) == (killed == "before the new one is renamed in")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("keep", [0, -1, 1.5, True])
 def test_a_keep_that_is_not_a_count_of_checkpoints_is_refused_before_writing(tmp_path, sharded, keep):
     """``keep`` is how many checkpoints the rotation keeps: ``keep=0`` kept every one (a slice

@@ -71,6 +71,15 @@ def plant(path: Path, payload) -> None:
     rewrite_manifest(path)
 
 
+def damage(path: Path) -> Path:
+    """One byte changed in the middle of one of ``path``'s DCP data files (which it returns)."""
+    shard = max((path / "dcp").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard
+
+
 def test_normal_sharded_checkpoint_loads_quietly(tmp_path):
     """Written in one process and read back (generation's path) with no DCP warning."""
     path = sharded_checkpoint(tmp_path / "run")
@@ -381,10 +390,7 @@ def test_sharded_weights_given_no_state_are_verified_first(tmp_path):
 
     path = sharded_checkpoint(tmp_path / "run")
     model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
-    shard = next((path / "dcp").glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    shard = damage(path)
     with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is corrupted: dcp/{shard.name} does not match its "
                                               r"SHA-256 in state.json"):
         load_sharded_weights(path, model)
@@ -451,3 +457,173 @@ def test_a_checkpoint_written_before_the_first_step_resumes_with_a_fresh_optimis
         m(torch.ones(1, 3)).sum().backward()
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+
+
+@pytest.mark.parametrize("rng", [{"generator": torch.zeros(3, dtype=torch.uint8)}, {"torch_cpu": torch.zeros(3)}])
+def test_an_rng_file_without_the_cpu_state_is_named(tmp_path, rng):
+    """A sharded checkpoint whose ``rng.safetensors`` (its hash matching: written by another
+    tool) holds no ``torch_cpu`` ended ``load_sharded`` - and a resume - in a bare
+    ``KeyError: 'torch_cpu'`` (one of another type or size, in torch's TypeError or
+    RuntimeError): a CheckpointError names the checkpoint, the file and the key."""
+    from attnres.checkpoint import load_sharded, read_checkpoint_state
+    from attnres import ModelConfig
+    from safetensors.torch import save_file
+
+    path = sharded_checkpoint(tmp_path / "run")
+    save_file(rng, str(path / "rng.safetensors"))
+    rewrite_manifest(path)
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    with pytest.raises(CheckpointError, match=rf"^checkpoint '{path}' cannot be resumed: rng.safetensors holds "
+                                              r"(no 'torch_cpu' \(holds \['generator'\]\)|an invalid 'torch_cpu' \(RNG "
+                                              r"state must be a torch.ByteTensor\)), the CPU generator's state"):
+        load_sharded(path, dict(model.named_parameters()))
+
+
+def test_load_sharded_verifies_the_checkpoint_unless_given_its_verified_state(tmp_path, monkeypatch):
+    """``load_sharded(path, params, optimizer)`` - the Python API docs/inference.md names for a
+    sharded checkpoint's optimiser state - read the DCP files as they were: a shard with one
+    byte changed loaded its wrong weights without a word (the trainer verifies before it
+    calls it). It verifies the checkpoint and names the file; given the ``verified`` state
+    (the trainer's), it does not hash the shards again; a consolidated checkpoint is named so."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_sharded, manifest, read_checkpoint_state, write_checkpoint
+
+    path = sharded_checkpoint(tmp_path / "run")
+    state = read_checkpoint_state(path)
+    model = AttnResLM(ModelConfig.from_dict(state["config"]["model"]))
+    params = dict(model.named_parameters())
+    hashed = []
+    sha256 = manifest._sha256
+    monkeypatch.setattr(manifest, "_sha256", lambda f: (hashed.append(f.name), sha256(f))[1])
+    load_sharded(path, params, restore_rng=False, verified=state)
+    assert hashed == []  # (verified by the caller: not read twice)
+    load_sharded(path, params, restore_rng=False)
+    assert any(name.endswith(".distcp") for name in hashed), hashed
+    shard = damage(path)
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is corrupted: dcp/{shard.name} does not match its "
+                                              r"SHA-256 in state.json"):
+        load_sharded(path, params, build_optimizer(model, load_config(None, COMPILED_PART_CONFIG)))
+    linear = torch.nn.Linear(3, 2)
+    one = write_checkpoint(tmp_path / "one", 1, linear.state_dict(), torch.optim.AdamW(linear.parameters()).state_dict(),
+                           {}, keep=1)
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{one}' is consolidated, not sharded: load it with "
+                                              r"attnres.checkpoint.load_checkpoint"):
+        load_sharded(one, dict(linear.named_parameters()))
+
+
+def test_a_run_from_a_sharded_checkpoint_hashes_its_shards_once(tmp_path, monkeypatch):
+    """``attnres train init_from=<sharded>`` verifies the checkpoint when it finds it, and
+    hands ``load_sharded`` the state it verified: the shards (a large model's gigabytes) are
+    not hashed a second time by ``load_sharded``'s own verification."""
+    from collections import Counter
+
+    from attnres.checkpoint import manifest
+    from test_train import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    path = sharded_checkpoint(tmp_path / "source", corpus)
+    hashed = Counter()
+    sha256 = manifest._sha256
+    monkeypatch.setattr(manifest, "_sha256", lambda f: (hashed.update([f]), sha256(f))[1])
+    train(load_config(None, ["model.d_model=32", "data.tokenizer=byte", f"data.paths=[{corpus}]", "seq_len=16",
+                             "batch_size=2", "steps=1", "warmup_steps=0", f"out_dir={tmp_path / 'run'}",
+                             "progress=false", "tensorboard=false", f"init_from={path}"]))
+    shards = {f: n for f, n in hashed.items() if f.is_relative_to(path) and f.suffix == ".distcp"}
+    assert shards and set(shards.values()) == {1}, hashed
+
+
+def worker(root: Path) -> None:
+    """On each of 2 ranks (``torchrun --nproc-per-node 2 this-file root``), through the Python
+    API: ``save_sharded`` with its defaults; ``save_sharded`` that fails on rank 0 alone (a
+    shard out of its sight); ``load_sharded`` of a checkpoint one of whose shards rank 0
+    damaged. Each rank records how each ended in ``<root>/rank<r>.json``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from attnres.checkpoint import load_sharded, read_checkpoint_state, sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # (a rank left waiting: fails, not hangs)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    params = dict(model.named_parameters())
+    ended: dict[str, str] = {}
+
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+            ended[name] = "done"
+        except Exception as e:  # noqa: BLE001 - recorded for the test to read
+            ended[name] = f"{type(e).__name__}: {e}"
+
+    def save(step: int) -> Path:
+        return save_sharded(root / "run", step, params, torch.optim.AdamW(model.parameters()), {}, keep=2)
+
+    attempt("defaults", lambda: read_checkpoint_state(save(1)))  # (published whole: it verifies)
+    if rank == 0:
+        def out_of_sight(tmp: Path) -> None:
+            raise CheckpointError("a shard out of sight")
+
+        sharded._check_shards_in_sight = out_of_sight
+    attempt("rank 0 fails", lambda: save(2))
+    dist.barrier()
+    first = root / "run" / "checkpoints" / "step-00000001"
+    if rank == 0 and first.is_dir():
+        (root / "damaged").write_text(damage(first).name)
+    dist.barrier()
+    attempt("damaged", lambda: load_sharded(first, params))
+    (root / f"rank{rank}.json").write_text(json.dumps(ended))
+    dist.barrier()  # (every rank has answered: none was left waiting)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
+    """The worker's launch on 2 ranks: its root and how each scenario ended on each rank."""
+    from distributed_utils import torchrun
+
+    root = tmp_path_factory.mktemp("two-ranks")
+    torchrun(2, __file__, str(root))
+    return root, [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow  # one more 2-process launch, about 20 s
+def test_save_sharded_with_its_defaults_publishes_once_on_several_ranks(two_ranks):
+    """``save_sharded(out_dir, step, params, optimizer, run_state, keep)`` on several ranks
+    made every rank main (``main=True``): each removed the temporary directory the others
+    wrote into, and published; it failed. Rank 0 of the default process group is main."""
+    _, ended = two_ranks
+    assert ended[0]["defaults"] == ended[1]["defaults"] == "done", ended  # (and it verified)
+
+
+@pytest.mark.slow  # (the same launch)
+def test_save_sharded_failing_on_one_rank_fails_on_every_rank(two_ranks):
+    """The default ``agree`` raised a rank's error on that rank alone: the others waited in a
+    barrier for it (until the process group's timeout). Every rank raises it; nothing is
+    published."""
+    root, ended = two_ranks
+    message = (f"CheckpointWriteError: could not write checkpoint step-00000002 in "
+               f"{str(root / 'run' / 'checkpoints')!r}: a shard out of sight; nothing of it was kept")
+    assert ended[0]["rank 0 fails"].startswith(message) and ended[1]["rank 0 fails"] == ended[0]["rank 0 fails"], ended
+    assert sorted(p.name for p in (root / "run" / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+@pytest.mark.slow  # (the same launch)
+def test_load_sharded_of_a_damaged_checkpoint_fails_on_every_rank_together(two_ranks):
+    """On several ranks ``load_sharded`` verifies the checkpoint once (rank 0 hashes it, as the
+    trainer does) and every rank raises the same CheckpointError: none loads the damaged
+    shard, and none is left waiting in DCP's collectives for a rank that raised alone."""
+    root, ended = two_ranks
+    path = root / "run" / "checkpoints" / "step-00000001"
+    shard = (root / "damaged").read_text()
+    assert ended[0]["damaged"] == ended[1]["damaged"] == (
+        f"CheckpointError: checkpoint {str(path)!r} is corrupted: dcp/{shard} does not match its SHA-256 in "
+        "state.json"), ended
+
+
+if __name__ == "__main__":
+    import sys
+
+    worker(Path(sys.argv[1]))

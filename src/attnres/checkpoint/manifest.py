@@ -5,11 +5,12 @@ A run's checkpoints are ``<out_dir>/checkpoints/step-<8 digits>/`` directories. 
 ``state.json`` (the manifest), written last: the format version, the step, the SHA-256 and
 size of every other file, the run state the writer adds, and the SHA-256 of all of that
 (``state_sha256``, :func:`seal_state`). A checkpoint is written into a hidden temporary
-directory and renamed into place only when complete (:func:`publish_checkpoint`), so a crash
-never leaves a half-written ``step-*`` directory; :func:`read_checkpoint_state` checks
-``state.json`` against its own hash, its step against the directory's name, and every listed
-file's size and hash, so a truncated, corrupted or edited checkpoint is reported clearly
-instead of being resumed from.
+directory and renamed into place only when complete (:func:`publish_checkpoint`; one of the
+same step it replaces is moved aside first, and deleted after), so a crash never leaves a
+half-written ``step-*`` directory, nor a step written again lost;
+:func:`read_checkpoint_state` checks ``state.json`` against its own hash, its step against
+the directory's name, and every listed file's size and hash, so a truncated, corrupted or
+edited checkpoint is reported clearly instead of being resumed from.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..output_paths import honour_umask
+from ..user_warning import warn_user
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
@@ -139,11 +141,38 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+#: The name :func:`publish_checkpoint` gives a checkpoint while it replaces it (then its name).
+REPLACED_PREFIX = ".old-"
+
+
+def _replaced(final: Path) -> Path:
+    """Where :func:`publish_checkpoint` moves the checkpoint ``final`` it replaces."""
+    return final.with_name(REPLACED_PREFIX + final.name)
+
+
+def _restore_replaced(root: Path) -> None:
+    """Finish what a kill left of :func:`publish_checkpoint` replacing a checkpoint: one moved
+    aside whose successor was renamed into place is deleted; one whose successor never was is
+    renamed back (else that step was lost, and a resume went back to the one before it)."""
+    for aside in sorted(p for p in root.glob(REPLACED_PREFIX + PREFIX + "*") if p.is_dir()):
+        final = aside.with_name(aside.name[len(REPLACED_PREFIX):])
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+            warn_user(f"restored {final.name} in {str(root)!r}: a run killed while writing that step again had "
+                      f"moved it aside ({aside.name}) and not yet renamed the new one in")
+
+
 def remove_partial_checkpoints(out_dir: str | Path) -> list[Path]:
     """Delete temporary checkpoint directories that a crash left half-written (they were
-    never renamed into place, so no run can depend on them). Returns what was removed."""
+    never renamed into place, so no run can depend on them), and finish a replacement a
+    crash interrupted (:func:`_restore_replaced`). Returns what was removed of the first."""
     root = Path(out_dir) / "checkpoints"
-    stale = sorted(p for p in root.glob(".tmp-*") if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    _restore_replaced(root)
+    stale = sorted(p for p in root.glob(".tmp-*") if p.is_dir())
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
@@ -182,7 +211,9 @@ def check_extra_files(files: dict[str, bytes] | None, own: set[str], who: str) -
 def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head: dict, tail: dict, keep: int) -> None:
     """The last steps of every checkpoint writer: hash ``names`` (files under ``tmp``) into
     the state file ``{**head, "files": ..., **tail}``, flush every file to the disk, move
-    ``tmp`` to ``final`` in one rename (flushed too), and keep only the newest ``keep``
+    ``tmp`` to ``final`` in one rename (flushed too; a ``final`` there already is moved aside
+    to ``.old-<name>`` first, which :func:`remove_partial_checkpoints` renames back after a
+    kill between the two), and keep only the newest ``keep``
     checkpoints of ``out_dir`` up to ``final``'s step (a newer one, of another trajectory, is
     left; it deleted ``final`` itself)."""
     honour_umask(p for p in tmp.rglob("*.safetensors") if p.is_file())
@@ -195,10 +226,15 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
         os.fsync(f.fileno())
     for folder in {(tmp / name).parent for name in names} | {tmp}:
         _fsync(folder)
+    # (the same step written again - a run resumed from an earlier one - replaces it: the old one
+    # is moved aside first, not deleted, so a kill between the two renames leaves it to restore)
+    aside = _replaced(final)
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(aside, ignore_errors=True)  # (one left over is older than final)
+        os.replace(final, aside)
     os.replace(tmp, final)
     _fsync(final.parent)  # (the rename, before the rotation deletes what came before it)
+    shutil.rmtree(aside, ignore_errors=True)
     step = _directory_step(final)
     for old in [p for p in checkpoint_dirs(out_dir) if _directory_step(p) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -296,9 +332,17 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 def restore_rng(path: str | Path, cuda: bool = True) -> None:
     """Set the torch generators from checkpoint ``path``'s ``rng.safetensors``: the CPU's,
-    and with ``cuda`` the CUDA devices' where their number matches."""
+    and with ``cuda`` the CUDA devices' where their number matches. :class:`CheckpointError`
+    naming the file and the key where it holds no valid CPU state (a file that verifies, as
+    one written by another tool, ended in a bare ``KeyError``)."""
     rng = load_file(str(Path(path) / RNG_FILE))
-    torch.set_rng_state(rng["torch_cpu"])
+    try:
+        torch.set_rng_state(rng["torch_cpu"])
+    except (KeyError, TypeError, RuntimeError) as e:  # (missing; not a ByteTensor; not the generator's size)
+        problem = f"holds no 'torch_cpu' (holds {sorted(rng)})" if isinstance(e, KeyError) else \
+            f"holds an invalid 'torch_cpu' ({e})"
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be resumed: {RNG_FILE} {problem}, the CPU "
+                              "generator's state save_checkpoint and save_sharded store") from None
     # (by device number: sorted as strings, device 10 would come before device 2)
     states = [rng[k] for k in sorted((k for k in rng if k.startswith(_CUDA_RNG)), key=lambda k: int(k[len(_CUDA_RNG):]))]
     if cuda and states and torch.cuda.is_available() and len(states) == torch.cuda.device_count():

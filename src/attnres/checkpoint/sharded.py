@@ -88,13 +88,27 @@ def _state_dict(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimize
     return sd
 
 
-def _alone(error: Exception | None) -> None:
-    """The default ``agree`` of :func:`save_sharded`: raise this rank's error, else wait for
-    the others (if any)."""
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of the default process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree_on_default_group(error: Exception | None) -> None:
+    """The default ``agree`` of :func:`save_sharded`: every rank of the default process group
+    raises when any rank passes an error (that rank its own, the others the lowest failing
+    rank's as a :class:`CheckpointWriteError`); a rank that raised alone left the others
+    waiting in the next collective. In one process: ``error`` itself, if any."""
+    if not _several_ranks():
+        if error is not None:
+            raise error
+        return
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, None if error is None else str(error))
     if error is not None:
         raise error
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    first = next((report for report in reports if report is not None), None)
+    if first is not None:
+        raise CheckpointWriteError(first)
 
 
 def _attempt(fn: Callable[[], None], final: Path) -> CheckpointWriteError | None:
@@ -122,14 +136,17 @@ def _check_shards_in_sight(tmp: Path) -> None:
 
 
 def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
-                 run_state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None, main: bool = True,
-                 agree: Callable[[Exception | None], None] = _alone) -> Path:
+                 run_state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None,
+                 main: bool | None = None,
+                 agree: Callable[[Exception | None], None] = _agree_on_default_group) -> Path:
     """Write the sharded checkpoint of ``step`` (every rank calls this, with its own
     ``params``: full-model names to this rank's parameters, DTensors where sharded, stored
     without ``torch.compile``'s ``_orig_mod.`` as :func:`~attnres.checkpoint.write_checkpoint`
     stores them); returns its directory. ``main``: this rank writes the run state (rank 0), after checking that
-    it sees every file the DCP metadata names. ``agree(error)``: a collective that raises on
-    every rank when any rank passes an error (the trainer's: every rank stops together).
+    it sees every file the DCP metadata names; ``None``: rank 0 of the default process group
+    (every rank was main by default, each removing the others' files and publishing). ``agree(error)``:
+    a collective that raises on every rank when any rank passes an error (the default's on the default
+    process group; the trainer's, on its own: every rank stops together).
 
     Raises :class:`CheckpointWriteError` when it cannot be written or completed (nothing is
     published, the earlier checkpoints stay, the temporary files are removed on every rank)."""
@@ -137,6 +154,8 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     from torch.distributed.checkpoint.api import CheckpointException
 
     check_sizes("save_sharded", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
+    if main is None:
+        main = not _several_ranks() or dist.get_rank() == 0
     files = check_extra_files(files, {DCP_DIR, RNG_FILE, STATE_FILE}, "save_sharded")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-dcp"
@@ -236,15 +255,53 @@ def _as_stored(sd: dict[str, Tensor], stored: Mapping[str, object]) -> dict[str,
     return {key if key in stored else theirs.get(key, key): value for key, value in sd.items()}
 
 
+def _verify(path: Path) -> dict[str, Any]:
+    """The verified ``state.json`` of the sharded checkpoint ``path`` (every file's size and
+    SHA-256, every file its DCP metadata names among them)."""
+    state = read_checkpoint_state(path)
+    if not is_sharded(state):
+        raise CheckpointError(f"checkpoint {str(path)!r} is consolidated, not sharded: load it with "
+                              "attnres.checkpoint.load_checkpoint(path, model, optimizer)")
+    verify_dcp_files(path, state)
+    return state
+
+
+def _verify_once(path: Path) -> dict[str, Any]:
+    """:func:`_verify` of ``path`` on rank 0, its outcome on every rank of the default
+    process group (one process: there): each rank hashing every shard would read the whole
+    checkpoint once per rank, and a rank that raised alone would leave the others waiting in
+    DCP's first collective. Every rank raises :class:`CheckpointError` when it fails."""
+    if not _several_ranks():
+        return _verify(path)
+    outcome: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", _verify(path))
+        except Exception as e:  # noqa: BLE001 - any failure (an unreadable file's OSError too) is every rank's
+            outcome[0] = ("error", str(e) if isinstance(e, CheckpointError) else
+                          f"checkpoint {str(path)!r} cannot be verified: {describe_failure(e)}")
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
-                 restore_rng: bool = True) -> None:
+                 restore_rng: bool = True, verified: dict[str, Any] | None = None) -> None:
     """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout; a compiled
     part's ``_orig_mod.`` names are read as their own, and so are those an earlier version
-    stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this."""
+    stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this.
+    ``verified``: the checkpoint's ``state.json``, where the caller has verified it (as the
+    trainer has, :func:`~attnres.checkpoint.find_valid_checkpoint`: its shards are not hashed
+    again); without it rank 0 verifies it first (every file's SHA-256: a damaged shard loaded
+    as it was, without a word) and every rank raises :class:`CheckpointError` if it fails."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
+    if verified is None:
+        _verify_once(path)
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
     reader = _reader(path)
     stored = reader.read_metadata().state_dict_metadata

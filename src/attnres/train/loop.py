@@ -378,14 +378,15 @@ class Trainer:
         one's optimiser state, cut to this rank's shards (its weights are already in)."""
         resume, init = self.start.resume, self.start.init
         if resume is not None and is_sharded(resume.state):
+            # (verified when it was found, on rank 0: its shards are not hashed again)
             _load_resumed(resume, self.config, lambda: load_sharded(resume.path, self.pm.named_parameters(),
-                                                                     self.optimizer))
+                                                                     self.optimizer, verified=resume.state))
         elif resume is not None:
             full = _load_resumed(resume, self.config, lambda: read_optimizer_state(resume.path, resume.state))
             self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, full))
         elif init is not None and is_sharded(init.state):
             _load_init_weights(init, self.config, lambda: load_sharded(init.path, self.pm.named_parameters(), None,
-                                                                        restore_rng=False))
+                                                                        restore_rng=False, verified=init.state))
 
     def _open_outputs(self) -> None:
         """``config.json`` and the metrics log (rank 0)."""
