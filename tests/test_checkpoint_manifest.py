@@ -214,6 +214,19 @@ def test_a_checkpoint_written_below_a_newer_one_says_which_the_run_resumes_from(
     assert find_valid_checkpoint(tmp_path / "run").step == 3
 
 
+def test_the_warning_of_newer_checkpoints_is_shown_once_while_the_run_catches_up(tmp_path):
+    """The warning named the step written, so Python's filter (once per text and line) showed
+    it again at every checkpoint of the resumed run until it passed the newer ones."""
+    import warnings
+
+    _written(tmp_path, 10, keep=3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for step in (1, 2, 3):
+            _written(tmp_path, step, keep=3)
+    assert len(seen) == 1 and "step-00000010" in str(seen[0].message)
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_checkpoints_files_and_its_rename_reach_the_disk_before_the_rotation(tmp_path, monkeypatch, sharded):
     """Only ``state.json`` was flushed (fsync) before the rename that publishes a checkpoint:
