@@ -455,6 +455,27 @@ def test_load_checkpoint_of_a_sharded_checkpoint_verifies_its_dcp_files(tmp_path
         load_checkpoint(path, model, restore_rng=False)
 
 
+def test_a_shard_that_cannot_be_read_after_verification_is_a_checkpoint_error(tmp_path):
+    """``read_sharded_tensors`` - behind ``load_sharded_weights``, ``load_weights`` of a
+    verified state and ``consolidate`` - let DCP's CheckpointException out: a BaseException,
+    past every ``except Exception`` (the commands' error handling: a traceback), where a shard
+    changed since it was verified (cut short, or deleted by the rotation of a run still
+    training). It is a CheckpointError naming the checkpoint, as ``load_sharded``'s."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_weights, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    state = read_checkpoint_state(path)
+    model = AttnResLM(ModelConfig.from_dict(state["config"]["model"]))
+    shard = next((path / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' cannot be read: "):
+        load_weights(path, state, model)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' cannot be read: .*No such file"):
+        read_sharded_tensors(path)
+
+
 def test_a_checkpoint_written_before_the_first_step_resumes_with_a_fresh_optimiser(tmp_path):
     """A sharded checkpoint written before the optimiser's first step (the state a run starts
     from, saved through the Python API) holds no optimiser state: ``load_sharded`` with an
