@@ -2311,7 +2311,14 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     lost = failed = False
     # (the rows a part has measured so far, filed as at its end, still naming it running: a run
     # killed in the compiled part's last compile kept none of the part's rows until 2026-12-07)
-    clock.on_measured = lambda rows: write(out, filed(result, part, rows), clock.strict)
+    so_far: dict = {}  # (the last rows handed: filed too where the part fails after them)
+
+    def on_measured(rows: dict) -> None:
+        so_far.clear()
+        so_far.update(rows)
+        write(out, filed(result, part, rows), clock.strict)
+
+    clock.on_measured = on_measured
     try:
         part_result = run_part(part, z, clock, part_models, device, peers, skipped)
     except Exception as e:  # noqa: BLE001 - one part's failure is reported; the others still run
@@ -2319,6 +2326,8 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
         if clock.strict and not lost:  # (the smoke's failures are the tests')
             raise
         failed = True
+        if so_far:  # (the end's write below wrote the run without the rows its files had held)
+            file_part(result, part, dict(so_far))
         result["errors"][part] = "".join(traceback.format_exception(e))[-4000:]
         log(f"[gpu_check] {part} FAILED:\n{result['errors'][part]}")
         if lost:

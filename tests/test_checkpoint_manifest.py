@@ -167,8 +167,8 @@ def _written(tmp_path: Path, step: int, keep: int, *, sharded: bool = False) -> 
     opt = torch.optim.AdamW(model.parameters())
     if not sharded:
         return write_checkpoint(tmp_path / "run", step, model.state_dict(), opt.state_dict(), {}, keep=keep)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+    with warnings.catch_warnings():  # (DCP's save without a process group; the package's own warnings pass)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         return save_sharded(tmp_path / "run", step, dict(model.named_parameters()), opt, {}, keep=keep)
 
 
@@ -182,10 +182,49 @@ def test_a_checkpoint_older_than_the_runs_newest_is_not_rotated_away_as_it_is_wr
     from attnres.checkpoint import checkpoint_dirs
 
     _written(tmp_path, 5, keep=1, sharded=sharded)
-    _written(tmp_path, 1, keep=1, sharded=sharded)
-    path = _written(tmp_path, 3, keep=1, sharded=sharded)
+    with pytest.warns(UserWarning, match="newer checkpoint"):  # (test_a_checkpoint_written_below_...)
+        _written(tmp_path, 1, keep=1, sharded=sharded)
+        path = _written(tmp_path, 3, keep=1, sharded=sharded)
     assert path.is_dir() and read_checkpoint_state(path)["step"] == 3
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000003", "step-00000005"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_written_below_a_newer_one_says_which_the_run_resumes_from(tmp_path, sharded):
+    """A checkpoint written into a directory that holds a newer one (a run resumed from an
+    earlier step through the Python API) leaves the newer one, of the abandoned trajectory,
+    in place - and the run's newest is what ``attnres train --resume``, ``generate RUN`` and
+    ``find_valid_checkpoint`` take: they went on from the abandoned trajectory without a word,
+    discarding what was trained since. A warning names the newer checkpoints and
+    ``set_aside_newer``, which ``--resume-from`` applies; writing in order says nothing."""
+    import warnings
+
+    from attnres.checkpoint import find_valid_checkpoint, set_aside_newer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (in order: no warning)
+        _written(tmp_path, 2, keep=3, sharded=sharded)
+        _written(tmp_path, 4, keep=3, sharded=sharded)
+    with pytest.warns(UserWarning, match=r"a checkpoint was written into '.*run' below its 1 newer checkpoint "
+                                         r"\(step-00000004\).*set_aside_newer\('.*run', STEP\), STEP the step "
+                                         r"resumed from"):
+        _written(tmp_path, 3, keep=3, sharded=sharded)
+    assert find_valid_checkpoint(tmp_path / "run").step == 4  # (what the warning is about)
+    set_aside_newer(tmp_path / "run", 3)
+    assert find_valid_checkpoint(tmp_path / "run").step == 3
+
+
+def test_the_warning_of_newer_checkpoints_is_shown_once_while_the_run_catches_up(tmp_path):
+    """The warning named the step written, so Python's filter (once per text and line) showed
+    it again at every checkpoint of the resumed run until it passed the newer ones."""
+    import warnings
+
+    _written(tmp_path, 10, keep=3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for step in (1, 2, 3):
+            _written(tmp_path, step, keep=3)
+    assert len(seen) == 1 and "step-00000010" in str(seen[0].message)
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -2044,6 +2044,28 @@ def test_the_compiled_parts_targets_rows_are_in_the_files_before_fulls_compile(m
     assert "## train_compiled" in in_files["md"] and "Still running train_compiled" in in_files["md"]
 
 
+def test_rows_measured_before_a_part_fails_stay_in_the_files(monkeypatch, tmp_path):
+    """A part that raised after handing its rows so far (:meth:`Clock.measured`: the compiled
+    targets, then Full's compile failing outside its pieces - an out-of-memory while building
+    its step) had them in the files until the part's end wrote the run again without them:
+    only the traceback was left. They stay filed, beside the part's failure."""
+    import gpu_check
+
+    def run_part(part, z, clock, *args):
+        clock.measured({"errors": {}, "dropped": {}, "compile_s": {"standard": 1.0, "block": 1.0},
+                        "warm_up_s": 1.0, "ms": {"standard": 100.0, "block": 103.0}, "profile": {}})
+        raise RuntimeError("CUDA out of memory (building Full's compiled step)")
+
+    _fake_gpu(monkeypatch, gpu_check, run_part)
+    gpu_check.main(["--out", str(tmp_path), "--no-peers", "--parts", "train_compiled"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["train_compiled"] == pytest.approx(1.03) and "running" not in summary
+    assert summary["errors"] == ["train_compiled"]
+    run = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert run["train_compiled"]["ms"] == {"standard": 100.0, "block": 103.0}
+    assert "CUDA out of memory" in run["errors"]["train_compiled"]
+
+
 def test_rows_so_far_that_cannot_be_written_keep_the_part_going(monkeypatch):
     """Writing a part's rows so far (:meth:`Clock.measured`) that fails - a full disk - is
     said in the log and the part measures on (its end writes them again): on a GPU's clock

@@ -144,19 +144,29 @@ def test_metadata_with_other_than_tensors_is_refused(tmp_path):
         load_run(path)
 
 
-def test_checkpoint_missing_a_file_its_metadata_names_does_not_verify(tmp_path):
-    """What an ``out_dir`` the nodes do not share produced before: rank 0 listed (and hashed)
-    only the DCP files it could see. Verification now reads the metadata and names the
-    missing file instead of a later FileNotFoundError."""
-    path = sharded_checkpoint(tmp_path / "run")
+def shard_out_of_sight(path: Path) -> None:
+    """Make sharded checkpoint ``path`` one an ``out_dir`` the nodes do not share produced
+    before: a shard its DCP metadata names is neither there nor in its (sealed) manifest."""
     shard = path / "dcp" / "__0_0.distcp"
     shard.rename(path / "elsewhere.distcp")
     doc = json.loads((path / STATE_FILE).read_text())
     del doc["files"]["dcp/__0_0.distcp"]
     doc["files"].pop("elsewhere.distcp", None)
     (path / STATE_FILE).write_text(json.dumps(seal_state(doc)))
-    with pytest.raises(CheckpointError, match=r"is incomplete: dcp/__0_0\.distcp, which its DCP metadata names, is "
-                       r"missing .*out_dir must be on a file system every node shares"):
+
+
+#: What verifying a checkpoint whose shard is out of sight (:func:`shard_out_of_sight`) says.
+SHARD_OUT_OF_SIGHT = (r"is incomplete: dcp/__0_0\.distcp, which its DCP metadata names, is missing .*out_dir must be "
+                      r"on a file system every node shares")
+
+
+def test_checkpoint_missing_a_file_its_metadata_names_does_not_verify(tmp_path):
+    """What an ``out_dir`` the nodes do not share produced before: rank 0 listed (and hashed)
+    only the DCP files it could see. Verification now reads the metadata and names the
+    missing file instead of a later FileNotFoundError."""
+    path = sharded_checkpoint(tmp_path / "run")
+    shard_out_of_sight(path)
+    with pytest.raises(CheckpointError, match=SHARD_OUT_OF_SIGHT):
         find_valid_checkpoint(path)
     with pytest.raises(SystemExit, match="attnres generate: error: .*dcp/__0_0.distcp, which its DCP metadata names"):
         cli_main(["generate", "--checkpoint", str(path), "--prompt", "the"])
@@ -433,6 +443,43 @@ def test_load_checkpoint_of_a_sharded_checkpoint_loads_its_weights_and_names_the
                                               r"load_checkpoint loads its weights alone \(optimizer=None\); its "
                                               r"optimiser state loads with attnres.checkpoint.load_sharded\(path, "):
         load_checkpoint(path, model, torch.optim.AdamW(model.parameters()), restore_rng=False)
+
+
+def test_load_checkpoint_of_a_sharded_checkpoint_verifies_its_dcp_files(tmp_path):
+    """``load_checkpoint(path, model)`` of a sharded checkpoint checked its manifest's hashes
+    but not that every shard its DCP metadata names is listed, as ``load_sharded_weights(path,
+    model)`` and ``find_valid_checkpoint`` do: a shard out of sight (an ``out_dir`` the nodes
+    did not share) ended in DCP's CheckpointException - a BaseException, past ``except
+    Exception`` - with a FileNotFoundError inside. It is the same CheckpointError."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_checkpoint, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    shard_out_of_sight(path)
+    with pytest.raises(CheckpointError, match=SHARD_OUT_OF_SIGHT):
+        load_checkpoint(path, model, restore_rng=False)
+
+
+def test_a_shard_that_cannot_be_read_after_verification_is_a_checkpoint_error(tmp_path):
+    """``read_sharded_tensors`` - behind ``load_sharded_weights``, ``load_weights`` of a
+    verified state and ``consolidate`` - let DCP's CheckpointException out: a BaseException,
+    past every ``except Exception`` (the commands' error handling: a traceback), where a shard
+    changed since it was verified (cut short, or deleted by the rotation of a run still
+    training). It is a CheckpointError naming the checkpoint, as ``load_sharded``'s."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_weights, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    state = read_checkpoint_state(path)
+    model = AttnResLM(ModelConfig.from_dict(state["config"]["model"]))
+    shard = next((path / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' cannot be read: "):
+        load_weights(path, state, model)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' cannot be read: .*No such file"):
+        read_sharded_tensors(path)
 
 
 def test_a_checkpoint_written_before_the_first_step_resumes_with_a_fresh_optimiser(tmp_path):

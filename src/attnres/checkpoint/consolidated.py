@@ -44,7 +44,7 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 from .module import load_weights, weight_key
 from .residual import refuse_residual_change, residual_hint
-from .sharded import is_sharded, load_sharded_weights
+from .sharded import is_sharded, load_sharded_weights, verify_dcp_files
 from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
 from ..validation import check_path_argument, check_sizes
 
@@ -195,6 +195,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     doc = verified if verified is not None else read_checkpoint_state(path)
     if is_sharded(doc):  # (no model.safetensors: a bare FileNotFoundError)
+        # (a shard its DCP metadata names and the manifest lacks ended in DCP's CheckpointException;
+        # the metadata read against the manifest, nothing hashed: whether or not ``verified``)
+        verify_dcp_files(path, doc)
         _load_sharded_checkpoint(path, doc, model, optimizer, restore_rng, allow_residual_change)
         return doc
     refuse_residual_change(path, doc, model, allow_residual_change)

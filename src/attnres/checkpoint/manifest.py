@@ -238,6 +238,25 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     step = _directory_step(final)
     for old in [p for p in checkpoint_dirs(out_dir) if _directory_step(p) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    _warn_of_newer(final, out_dir, step)
+
+
+def _warn_of_newer(final: Path, out_dir: str | Path, step: int) -> None:
+    """Warn where ``out_dir`` holds checkpoints newer than ``final`` (of step ``step``, just
+    written), which the rotation leaves: the run's newest is what a resume, ``attnres
+    generate RUN`` and :func:`~attnres.checkpoint.find_valid_checkpoint` take, so they went on
+    from the abandoned trajectory's, without a word, until this one passed it. (Said without
+    the step written: Python's filter shows it once, not at every checkpoint until then.)"""
+    newer = [p.name for p in checkpoint_dirs(out_dir) if _directory_step(p) > step]
+    if not newer:
+        return
+    shown = ", ".join(newer[:3]) + (", ..." if len(newer) > 3 else "")
+    warn_user(f"a checkpoint was written into {str(out_dir)!r} below its {len(newer)} newer "
+              f"checkpoint{'s' * (len(newer) > 1)} ({shown}), of a trajectory abandoned for this one (resumed from "
+              "an earlier step?): they are kept, and the run's newest - what attnres train --resume, attnres "
+              f"generate of the run and find_valid_checkpoint take - is {newer[-1]} until this run passes it; "
+              f"attnres.checkpoint.set_aside_newer({str(out_dir)!r}, STEP), STEP the step resumed from, sets them "
+              "aside (superseded-step-*), as attnres train --resume-from does")
 
 
 def _check_format(path: Path, doc: Any) -> None:

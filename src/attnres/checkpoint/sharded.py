@@ -327,13 +327,21 @@ def read_sharded_tensors(path: str | Path, prefix: str = "model.") -> dict[str, 
     (``"model."``: the weights; ``"optim."``: the optimiser state), keys without the prefix,
     read in one process (no process group, no gather across ranks)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     reader = _reader(Path(path))
     meta = reader.read_metadata()  # tensors only (checked)
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
           if k.startswith(prefix)}
-    with _one_process_quietly():
-        dcp.load(sd, storage_reader=reader, no_dist=True)
+    try:
+        with _one_process_quietly():
+            dcp.load(sd, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        # (a shard changed since it was verified - cut short, deleted by its run's rotation - went past
+        # every `except Exception` as DCP's CheckpointException)
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {describe_failure(e)}; its files changed "
+                              "since it was verified (cut short, or removed by its run's keep_checkpoints rotation): "
+                              "copy it again, or name a newer one") from None
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 
