@@ -129,16 +129,6 @@ def activation_checkpointing(model: torch.nn.Module, enable: bool = True, **kwar
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
 
 
-def warned(call, containing: str) -> list[str]:
-    """The messages of the warnings ``call()`` gives, every one (``"always"``), that hold ``containing``."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        call()
-    return [str(w.message) for w in caught if containing in str(w.message)]
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Normwise relative error ``||a - b|| / ||b||`` (Frobenius norms), computed in float64."""
     a, b = a.detach().double(), b.detach().double()

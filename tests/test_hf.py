@@ -21,7 +21,8 @@ from attnres.cli import main as cli_main  # noqa: E402
 from attnres.data.tokenizer import ByteTokenizer, train_bpe  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM, AttnResModel, make_hf_tokenizer  # noqa: E402
 from attnres.inference import generate  # noqa: E402
-from conftest import activation_checkpointing, warned  # noqa: E402
+from conftest import activation_checkpointing  # noqa: E402
+from warning_checks import warned  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

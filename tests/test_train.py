@@ -45,7 +45,7 @@ from attnres.train import (  # noqa: E402
 from attnres.checkpoint import read_checkpoint_state  # noqa: E402
 from attnres.train.schedule import wsd_decay_start  # noqa: E402
 from attnres.train.optim import MUON_RMS_SCALE, param_groups  # noqa: E402
-from conftest import warned  # noqa: E402
+from warning_checks import warned  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 README = Path(__file__).resolve().parents[1] / "README.md"

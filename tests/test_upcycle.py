@@ -24,7 +24,8 @@ from attnres.nn.residual.baselines import layerscale_init  # noqa: E402
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
 from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
-from conftest import activation_checkpointing, rel_err, warned  # noqa: E402
+from conftest import activation_checkpointing, rel_err  # noqa: E402
+from warning_checks import warned  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
