@@ -1025,6 +1025,23 @@ def test_val_loss_plot_draws_curves_of_a_single_evaluation(tmp_path, monkeypatch
         assert all(line.get_marker() not in (None, "", " ", "None") and line.get_markersize() > 0 for line in curves)
 
 
+def test_val_loss_plot_of_a_single_evaluation_ticks_whole_steps(tmp_path, monkeypatch):
+    """A grid of one evaluation (preset tiny, at step 4) had its equal-steps panel read at steps
+    3.80, 3.85, ..., 4.20: steps are counted, so they tick at whole numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_val_loss
+
+    saved = _saved_figures(monkeypatch)
+    _plot_val_loss(_runs_of({"standard": [[2.0]], "block": [[1.9]]}, [4]), tmp_path / "val_loss.png")
+    (fig,) = saved
+    fig.canvas.draw()
+    steps = fig.axes[0]
+    ticks = [t for t in steps.get_xticks() if steps.get_xlim()[0] <= t <= steps.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
 def test_a_grid_figure_that_fails_mid_write_leaves_the_one_before_whole(tmp_path, writes_cut_short):
     """The grid's figures (val_loss.png and the others of attnres compare and experiment)
     were saved in place: a kill or a full disk mid-write left a figure cut short where the

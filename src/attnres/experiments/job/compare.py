@@ -316,6 +316,7 @@ def _mean_curve(rs: list[Run], key: str) -> np.ndarray | None:
 def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None = None) -> None:
     """Mean ± std curves against steps and against compute; ``start``: where a WSD decay begins."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(10, 3.8))
     axes = fig.subplots(1, 2)
@@ -330,6 +331,8 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
             # markers: a curve of one evaluation (a short run) is a point, which a line alone does not draw
             ax.plot(x, mean, label=f"{_LABELS.get(name, name)} (n={len(rs)})", color=_COLORS.get(name), marker="o", ms=3)
             ax.fill_between(x, mean - std, mean + std, alpha=0.2, color=_COLORS.get(name))
+    # steps are counted: a grid of one evaluation (preset tiny) was read at steps 3.80, 3.85, ...
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     # Zoom on the second half of training, where the curves separate.
     for ax, xlabel in zip(axes, ("optimiser step", "training compute (PFLOP/s-days)")):
         ax.set_xlabel(xlabel)
