@@ -1117,8 +1117,34 @@ def test_depth_weight_heatmaps_say_the_sources_by_the_weights_not_the_variants_n
     saved = _saved_figures(monkeypatch)
     assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
     labels = [ax.get_xlabel() for ax in saved[0].axes if ax.get_label() != "<colorbar>"]
-    assert labels == 2 * ["source (0 = embedding, then completed blocks, then the current block's partial sum)"] + \
+    assert labels == 2 * ["source (0 = embedding, then completed blocks,\nthen the current block's partial sum)"] + \
         2 * ["source (0 = embedding, then sublayer outputs)"]
+
+
+def test_depth_weight_heatmaps_labels_fit_their_panels(tmp_path, monkeypatch):
+    """Block AttnRes' x label, on one line, was wider than its panel: the two panels' labels ran
+    into each other and the left one was cut at the figure's edge ("= embedding, then ...")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_depth_weights
+
+    groups = _runs_of({"block": [[2.0]]}, [4])
+    # 4 transformer blocks, S = 2: the output row reads the embedding and 4 blocks (tiny's shape)
+    groups["block"][0].diagnostics = {"depth_weights": [[1.0 / (2 + l // 2)] * (2 + l // 2) for l in range(8)]
+                                      + [[0.2] * 5]}
+    saved = _saved_figures(monkeypatch)
+    assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
+    (fig,) = saved
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # as savefig draws it to a .png
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    labels = [ax.xaxis.label.get_window_extent(renderer) for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    width = fig.get_figwidth() * fig.dpi
+    assert all(0 <= box.x0 and box.x1 <= width for box in labels), [(box.x0, box.x1, width) for box in labels]
+    assert labels[0].x1 < labels[1].x0  # side by side, apart
 
 
 def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):

@@ -389,7 +389,8 @@ def _source_axis(weights: list[list[float]]) -> str:
     name, "block": a Block variant of another name, a Variant of the user's own, read "sublayer
     outputs"; and a block's partial sum, the last source of a row inside a block, went unsaid.)"""
     if len(weights[-1]) < len(weights):
-        return "source (0 = embedding, then completed blocks, then the current block's partial sum)"
+        # two lines: on one it was wider than its panel, run into its neighbour's and cut at the figure's edge
+        return "source (0 = embedding, then completed blocks,\nthen the current block's partial sum)"
     return "source (0 = embedding, then sublayer outputs)"
 
 
