@@ -890,6 +890,28 @@ def test_a_reading_at_equal_compute_outside_the_evaluations_is_said_why(tmp_path
     assert "| Block AttnRes | 100 | 0 | 4.9000 (n=1) | 4.9" in md and "outside the steps" not in md
 
 
+def test_rows_over_different_seeds_are_said_so():
+    """A grid split by ``--variants`` (standard over seeds 0 and 1, Block over seed 1 alone): the
+    table set standard's mean over both seeds beside Block's over seed 1 without a word, a gap
+    of seed 0's batches, not of the models (the paired gap was a tenth of it)."""
+    from attnres.experiments.job.compare import BASELINE, _tables
+
+    def run(variant, seed, loss):
+        from attnres.experiments.job.compare import Run
+
+        rec = {"variant": variant, "seed": seed, "steps": 4, "tokens": 400, "flops": 400.0, "flops_per_token": 1.0,
+               "params": 100, "residual_params": 0, "val_loss": loss}
+        return Run(rec, eval_steps=[4], val_loss=[loss])
+
+    split = {BASELINE: [run(BASELINE, 0, 5.48), run(BASELINE, 1, 5.36)], "block": [run("block", 1, 5.35)]}
+    md, gaps, _ = _tables(split)
+    assert ("The rows are means over different seeds (standard (PreNorm): 0, 1; Block AttnRes: 1), each seed its own "
+            "batches: they do not compare with one another.") in md
+    assert gaps["block"]["steps"] == [pytest.approx(-0.01)]  # (paired with seed 1's standard run)
+    alike = {BASELINE: split[BASELINE], "block": [run("block", 0, 5.47), run("block", 1, 5.35)]}
+    assert "different seeds" not in _tables(alike)[0]
+
+
 def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):
     out = tmp_path / "bs"
     over = [f"data.paths=[{corpus}]"]

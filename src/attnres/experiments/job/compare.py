@@ -218,6 +218,9 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
     header += ["tokens/s (side by side)", "FLOPs/token (× standard)"]
     header += ["step time (× standard)", "peak memory (× standard)"] if overheads else []
     md = [markdown_table(header, rows)]
+    seeds_note = _other_seeds(final)
+    if seeds_note:
+        md.append(seeds_note)
     gaps: dict[str, Any] = {}
     if not base:
         md.append(_NO_BASELINE)
@@ -264,6 +267,20 @@ def _unread_note(groups: dict[str, list[Run]], losses: dict[str, dict[str, dict[
     first = f" (the first at step {evaluated[0]})" if evaluated else ""
     return (f"\"–\" at equal {' and at equal '.join(unread)}: the step to read lies outside the steps the AttnRes run was "
             f"evaluated at{first}, where its curve has no value; a lower `eval_every` evaluates earlier steps.")
+
+
+def _other_seeds(final: dict[str, dict[int, float]]) -> str:
+    """A note where the models' rows are means over different seeds (a grid split by
+    ``--variants``, one model's seed still training): standard over seeds 0 and 1 against Block
+    over seed 1 alone read as a gap of seed 0's batches, which no table said; "" where every row
+    holds the same seeds."""
+    seeds = {name: sorted(by_seed) for name, by_seed in final.items()}
+    if len({tuple(s) for s in seeds.values()}) < 2:
+        return ""
+    each = "; ".join(f"{_LABELS.get(name, name)}: {', '.join(map(str, s))}" for name, s in seeds.items())
+    return (f"The rows are means over different seeds ({each}), each seed its own batches: they do not compare "
+            "with one another. The paired table compares each AttnRes run with the standard run of its seed; "
+            "the grid's command with the missing `--seeds` trains the others.")
 
 
 _NO_BASELINE = ("No standard run has finished in this grid: the readings at equal compute and equal time and the gaps "
