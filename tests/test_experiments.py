@@ -685,7 +685,9 @@ def test_cli_errors_name_bad_values(tmp_path):
     with pytest.raises(SystemExit, match="steps"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path), "steps=0"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="no finished runs"):
+    # (it said "no finished runs to report for experiment 'scaling'": not which folder, nor what trains them)
+    with pytest.raises(SystemExit, match=r"no finished runs to report for experiment 'scaling' in .*empty: no run of "
+                       r"the grid has been trained there; its command without --report-only trains them"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
     with pytest.raises(SystemExit, match=r"--out '.*emtpy' does not exist \(did you mean 'empty'\?\)"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "emtpy"), "--report-only"])

@@ -378,8 +378,11 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
         preset = header["preset"]
     records, left_out = _left_out(out, records, variants)
     if not records:
+        # (of a folder with no run at all it said no more: neither which folder nor what trains its runs)
         raise ValueError(f"no finished runs to report for experiment {name!r}"
-                         + (f" ({left_out.strip().removesuffix('.')})" if left_out else ""))
+                         + (f" ({left_out.strip().removesuffix('.')})" if left_out else
+                            f" in {shell_path(out)}: no run of the grid has been trained there; its command without "
+                            "--report-only trains them (`attnres status` lists the runs a folder holds)"))
     out.mkdir(parents=True, exist_ok=True)
     summ = summarize(records)
     measured = apply_overhead(summ, out)
