@@ -674,6 +674,8 @@ def test_arch_sweep_end_to_end(corpus, tmp_path, users_matplotlib):
     assert matplotlib.get_backend() == "svg" and plt.get_fignums() == users_matplotlib
     text = path.read_text()
     assert "Fig. 7" in text and "d/L_b" in text and text.count("(n=1)") == len(records)
+    # (the set-up line gave the first cell's shape, "d_model 24, 3 transformer blocks", as every run's)
+    assert "Set-up: model shape: by run (the table); vocab 256" in text and "d_model 24" not in text
     assert (out / "arch_sweep.png").stat().st_size > 0
     cells = {(r["coords"]["d/L_b"], r["coords"]["H/L_b"]) for r in records}
     assert len(cells) == 4 and json.loads((out / "experiment.json").read_text())["experiment"] == "arch-sweep"

@@ -253,7 +253,12 @@ def _setup(out: Path, records: list[dict[str, Any]], per_size: bool = False) -> 
         return ""
     m = c["model"]
     seeds = sorted({r["seed"] for r in records})
+    # (arch-sweep's cells differ in shape: the line gave the first run's, "d_model 24, 3 transformer
+    # blocks, 3 heads", as the shape of every run)
+    shapes = {(x["model"]["d_model"], x["model"]["n_layers"], x["model"]["n_heads"])
+              for x in filter(None, (saved_config(out, r) for r in records))}
     model = ("model shape, steps and warm-up: by size (the runs table); " if per_size else
+             "model shape: by run (the table); " if len(shapes) > 1 else
              f"d_model {m['d_model']}, {m['n_layers']} transformer blocks, {m['n_heads']} heads, ")
     warmup = "" if per_size else f", {_plural(c['warmup_steps'], 'warm-up step')}"
     return (f"Set-up: {model}vocab {m['vocab_size']} ({c['data']['tokenizer']}); {c['batch_size']} x {c['seq_len']} "
