@@ -663,13 +663,25 @@ def test_a_run_of_one_step_is_announced_in_the_singular(corpus, tmp_path, monkey
     assert announced and all(line.endswith(": training 1 step") for line in announced), announced
 
 
-def test_arch_sweep_end_to_end(corpus, tmp_path, users_matplotlib):
+def test_arch_sweep_end_to_end(corpus, tmp_path, users_matplotlib, monkeypatch):
     import matplotlib
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
 
     out = tmp_path / "arch"
     records = run_experiment(get_experiment("arch-sweep", "tiny"), out, [0], [f"data.paths=[{corpus}]"], log=lambda s: None)
+    saved = _saved_figures(monkeypatch)
     path = write_report("arch-sweep", records, out, "tiny")
+    # The baseline's and Block's heatmaps were each on its own colour scale (one colour, two losses), and
+    # the losses were written in white on viridis' yellow too: one scale, and dark text on the bright cells.
+    (fig,) = saved
+    images = [image for ax in fig.axes for image in ax.get_images()]
+    losses = [r["val_loss"] for r in records]
+    assert len(images) == 2 and all(image.get_clim() == (min(losses), max(losses)) for image in images)
+    for ax in fig.axes:
+        for text in ax.texts:
+            assert to_rgb(text.get_color()) == ((0, 0, 0) if float(text.get_text()) > (min(losses) + max(losses)) / 2
+                                                else (1, 1, 1)), text.get_text()
     # (it switched a notebook's matplotlib to Agg: the user's later figures stopped showing)
     assert matplotlib.get_backend() == "svg" and plt.get_fignums() == users_matplotlib
     text = path.read_text()

@@ -222,15 +222,20 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
     families = sorted({f for fam in cells.values() for f in fam})
     fig = Figure(figsize=(4.5 * len(families), 3.5))
     axes = fig.subplots(1, len(families), squeeze=False)
+    # One colour scale for both families: each on its own, one colour was two losses, and the
+    # baseline's panel and AttnRes' looked alike whatever the gap between them.
+    losses = [s.loss for fam in cells.values() for s in fam.values() if math.isfinite(s.loss)]
+    lo, hi = (min(losses), max(losses)) if losses else (0.0, 1.0)
     for ax, family in zip(axes[0], families):
         grid = np.full((len(rhs), len(rds)), np.nan)
         for (rd, rh), fam in cells.items():
             if family in fam:
                 grid[rhs.index(rh), rds.index(rd)] = fam[family].loss
-        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
+        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=lo, vmax=hi)
         for (i, j), v in np.ndenumerate(grid):
-            if np.isfinite(v):
-                ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="w", fontsize=7)
+            if np.isfinite(v):  # dark on viridis' bright upper half (white on its yellow could not be read)
+                ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="k" if v > (lo + hi) / 2 else "w",
+                        fontsize=7)
         ax.set_xticks(range(len(rds)), [f"{v:g}" for v in rds])
         ax.set_yticks(range(len(rhs)), [f"{v:g}" for v in rhs])
         ax.set_xlabel("d / L_b")
