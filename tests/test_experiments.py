@@ -1645,6 +1645,26 @@ def test_a_grid_is_not_started_inside_another_grid(tmp_path):
     check_same_experiment(tmp_path / "elsewhere", header)
 
 
+def test_a_grids_run_given_as_out_names_the_grids_folder(tmp_path):
+    """`attnres compare --out runs/compare/block/seed0 --report-only` (a run, tab-completed) was
+    told "pick another --out, e.g. a new folder", where a new folder reports nothing: the
+    grid's folder is the --out that reports or continues it."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    grid = tmp_path / "compare"
+    run = grid / "block" / "seed0"
+    (run / "checkpoints").mkdir(parents=True)
+    (grid / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
+    with pytest.raises(ValueError, match=rf"^--out '{re.escape(str(run))}' is a training run's directory \(it holds "
+                       rf"checkpoints/\), a run of the grid '{re.escape(str(grid))}': give the grid's folder, "
+                       rf"--out {re.escape(str(grid))}, to continue or report it$"):
+        check_same_experiment(run, {"experiment": "compare", "preset": "tiny", "overrides": []})
+    alone = tmp_path / "run"  # a run of no grid: another --out, as before
+    (alone / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="pick another --out, e.g. a new folder"):
+        check_same_experiment(alone, {"experiment": "compare", "preset": "tiny", "overrides": []})
+
+
 def test_a_cpu_run_on_a_gpu_machine_records_no_gpu_peak(corpus, tmp_path, monkeypatch):
     """A grid run with device=cpu on a machine with a GPU recorded the GPU's peak (0 B, or
     another process's) as its peak memory, where a CPU run has none; the reset ran on the
