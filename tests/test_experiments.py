@@ -1155,6 +1155,9 @@ def test_depth_weight_heatmaps_say_the_sources_by_the_weights_not_the_variants_n
     saved = _saved_figures(monkeypatch)
     assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
     labels = [ax.get_xlabel() for ax in saved[0].axes if ax.get_label() != "<colorbar>"]
+    # the rows count the blocks from 1, as magnitudes.png does (they read "attn 0", "mlp 0" for its block 1)
+    rows = [[t.get_text() for t in ax.get_yticklabels()] for ax in saved[0].axes if ax.get_label() != "<colorbar>"]
+    assert rows[:2] == [["attn 1", "attn 2", "output"], ["mlp 1", "mlp 2", "output"]]
     assert labels == 2 * ["source (0 = embedding, then completed blocks,\nthen the current block's partial sum)"] + \
         2 * ["source (0 = embedding, then sublayer outputs)"]
 

@@ -431,7 +431,9 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
             for i, w in enumerate(rows):
                 grid[i, :len(w)] = w
             im = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-            ax.set_yticks(range(len(rows)), [f"{'attn' if parity == 0 else 'mlp'} {i}" for i in range(len(rows) - 1)]
+            # blocks counted from 1, as magnitudes.png's x axis and mixing.png's rows count them (this
+            # figure's "attn 0" was the first block's, magnitudes.png's block 1)
+            ax.set_yticks(range(len(rows)), [f"{'attn' if parity == 0 else 'mlp'} {i + 1}" for i in range(len(rows) - 1)]
                           + ["output"], fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sources are counted: no fractional ticks
             ax.set_xlabel(_source_axis(weights))
