@@ -663,17 +663,31 @@ def test_a_run_of_one_step_is_announced_in_the_singular(corpus, tmp_path, monkey
     assert announced and all(line.endswith(": training 1 step") for line in announced), announced
 
 
-def test_arch_sweep_end_to_end(corpus, tmp_path, users_matplotlib):
+def test_arch_sweep_end_to_end(corpus, tmp_path, users_matplotlib, monkeypatch):
     import matplotlib
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
 
     out = tmp_path / "arch"
     records = run_experiment(get_experiment("arch-sweep", "tiny"), out, [0], [f"data.paths=[{corpus}]"], log=lambda s: None)
+    saved = _saved_figures(monkeypatch)
     path = write_report("arch-sweep", records, out, "tiny")
+    # The baseline's and Block's heatmaps were each on its own colour scale (one colour, two losses), and
+    # the losses were written in white on viridis' yellow too: one scale, and dark text on the bright cells.
+    (fig,) = saved
+    images = [image for ax in fig.axes for image in ax.get_images()]
+    losses = [r["val_loss"] for r in records]
+    assert len(images) == 2 and all(image.get_clim() == (min(losses), max(losses)) for image in images)
+    for ax in fig.axes:
+        for text in ax.texts:
+            assert to_rgb(text.get_color()) == ((0, 0, 0) if float(text.get_text()) > (min(losses) + max(losses)) / 2
+                                                else (1, 1, 1)), text.get_text()
     # (it switched a notebook's matplotlib to Agg: the user's later figures stopped showing)
     assert matplotlib.get_backend() == "svg" and plt.get_fignums() == users_matplotlib
     text = path.read_text()
     assert "Fig. 7" in text and "d/L_b" in text and text.count("(n=1)") == len(records)
+    # (the set-up line gave the first cell's shape, "d_model 24, 3 transformer blocks", as every run's)
+    assert "Set-up: model shape: by run (the table); vocab 256" in text and "d_model 24" not in text
     assert (out / "arch_sweep.png").stat().st_size > 0
     cells = {(r["coords"]["d/L_b"], r["coords"]["H/L_b"]) for r in records}
     assert len(cells) == 4 and json.loads((out / "experiment.json").read_text())["experiment"] == "arch-sweep"
@@ -685,7 +699,9 @@ def test_cli_errors_name_bad_values(tmp_path):
     with pytest.raises(SystemExit, match="steps"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path), "steps=0"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="no finished runs"):
+    # (it said "no finished runs to report for experiment 'scaling'": not which folder, nor what trains them)
+    with pytest.raises(SystemExit, match=r"no finished runs to report for experiment 'scaling' in .*empty: no run of "
+                       r"the grid has been trained there; its command without --report-only trains them"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
     with pytest.raises(SystemExit, match=r"--out '.*emtpy' does not exist \(did you mean 'empty'\?\)"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "emtpy"), "--report-only"])
@@ -890,6 +906,28 @@ def test_a_reading_at_equal_compute_outside_the_evaluations_is_said_why(tmp_path
     assert "| Block AttnRes | 100 | 0 | 4.9000 (n=1) | 4.9" in md and "outside the steps" not in md
 
 
+def test_rows_over_different_seeds_are_said_so():
+    """A grid split by ``--variants`` (standard over seeds 0 and 1, Block over seed 1 alone): the
+    table set standard's mean over both seeds beside Block's over seed 1 without a word, a gap
+    of seed 0's batches, not of the models (the paired gap was a tenth of it)."""
+    from attnres.experiments.job.compare import BASELINE, _tables
+
+    def run(variant, seed, loss):
+        from attnres.experiments.job.compare import Run
+
+        rec = {"variant": variant, "seed": seed, "steps": 4, "tokens": 400, "flops": 400.0, "flops_per_token": 1.0,
+               "params": 100, "residual_params": 0, "val_loss": loss}
+        return Run(rec, eval_steps=[4], val_loss=[loss])
+
+    split = {BASELINE: [run(BASELINE, 0, 5.48), run(BASELINE, 1, 5.36)], "block": [run("block", 1, 5.35)]}
+    md, gaps, _ = _tables(split)
+    assert ("The rows are means over different seeds (standard (PreNorm): 0, 1; Block AttnRes: 1), each seed its own "
+            "batches: they do not compare with one another.") in md
+    assert gaps["block"]["steps"] == [pytest.approx(-0.01)]  # (paired with seed 1's standard run)
+    alike = {BASELINE: split[BASELINE], "block": [run("block", 0, 5.47), run("block", 1, 5.35)]}
+    assert "different seeds" not in _tables(alike)[0]
+
+
 def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):
     out = tmp_path / "bs"
     over = [f"data.paths=[{corpus}]"]
@@ -1025,6 +1063,23 @@ def test_val_loss_plot_draws_curves_of_a_single_evaluation(tmp_path, monkeypatch
         assert all(line.get_marker() not in (None, "", " ", "None") and line.get_markersize() > 0 for line in curves)
 
 
+def test_val_loss_plot_of_a_single_evaluation_ticks_whole_steps(tmp_path, monkeypatch):
+    """A grid of one evaluation (preset tiny, at step 4) had its equal-steps panel read at steps
+    3.80, 3.85, ..., 4.20: steps are counted, so they tick at whole numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_val_loss
+
+    saved = _saved_figures(monkeypatch)
+    _plot_val_loss(_runs_of({"standard": [[2.0]], "block": [[1.9]]}, [4]), tmp_path / "val_loss.png")
+    (fig,) = saved
+    fig.canvas.draw()
+    steps = fig.axes[0]
+    ticks = [t for t in steps.get_xticks() if steps.get_xlim()[0] <= t <= steps.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
 def test_a_grid_figure_that_fails_mid_write_leaves_the_one_before_whole(tmp_path, writes_cut_short):
     """The grid's figures (val_loss.png and the others of attnres compare and experiment)
     were saved in place: a kill or a full disk mid-write left a figure cut short where the
@@ -1100,8 +1155,37 @@ def test_depth_weight_heatmaps_say_the_sources_by_the_weights_not_the_variants_n
     saved = _saved_figures(monkeypatch)
     assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
     labels = [ax.get_xlabel() for ax in saved[0].axes if ax.get_label() != "<colorbar>"]
-    assert labels == 2 * ["source (0 = embedding, then completed blocks, then the current block's partial sum)"] + \
+    # the rows count the blocks from 1, as magnitudes.png does (they read "attn 0", "mlp 0" for its block 1)
+    rows = [[t.get_text() for t in ax.get_yticklabels()] for ax in saved[0].axes if ax.get_label() != "<colorbar>"]
+    assert rows[:2] == [["attn 1", "attn 2", "output"], ["mlp 1", "mlp 2", "output"]]
+    assert labels == 2 * ["source (0 = embedding, then completed blocks,\nthen the current block's partial sum)"] + \
         2 * ["source (0 = embedding, then sublayer outputs)"]
+
+
+def test_depth_weight_heatmaps_labels_fit_their_panels(tmp_path, monkeypatch):
+    """Block AttnRes' x label, on one line, was wider than its panel: the two panels' labels ran
+    into each other and the left one was cut at the figure's edge ("= embedding, then ...")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_depth_weights
+
+    groups = _runs_of({"block": [[2.0]]}, [4])
+    # 4 transformer blocks, S = 2: the output row reads the embedding and 4 blocks (tiny's shape)
+    groups["block"][0].diagnostics = {"depth_weights": [[1.0 / (2 + l // 2)] * (2 + l // 2) for l in range(8)]
+                                      + [[0.2] * 5]}
+    saved = _saved_figures(monkeypatch)
+    assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
+    (fig,) = saved
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # as savefig draws it to a .png
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    labels = [ax.xaxis.label.get_window_extent(renderer) for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    width = fig.get_figwidth() * fig.dpi
+    assert all(0 <= box.x0 and box.x1 <= width for box in labels), [(box.x0, box.x1, width) for box in labels]
+    assert labels[0].x1 < labels[1].x0  # side by side, apart
 
 
 def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):
@@ -1562,6 +1646,26 @@ def test_a_grid_is_not_started_inside_another_grid(tmp_path):
             check_same_experiment(inside, header)
     (tmp_path / "experiment.json").write_text("[1, 2]")  # another tool's file of that name: no grid
     check_same_experiment(tmp_path / "elsewhere", header)
+
+
+def test_a_grids_run_given_as_out_names_the_grids_folder(tmp_path):
+    """`attnres compare --out runs/compare/block/seed0 --report-only` (a run, tab-completed) was
+    told "pick another --out, e.g. a new folder", where a new folder reports nothing: the
+    grid's folder is the --out that reports or continues it."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    grid = tmp_path / "compare"
+    run = grid / "block" / "seed0"
+    (run / "checkpoints").mkdir(parents=True)
+    (grid / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
+    with pytest.raises(ValueError, match=rf"^--out '{re.escape(str(run))}' is a training run's directory \(it holds "
+                       rf"checkpoints/\), a run of the grid '{re.escape(str(grid))}': give the grid's folder, "
+                       rf"--out {re.escape(str(grid))}, to continue or report it$"):
+        check_same_experiment(run, {"experiment": "compare", "preset": "tiny", "overrides": []})
+    alone = tmp_path / "run"  # a run of no grid: another --out, as before
+    (alone / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="pick another --out, e.g. a new folder"):
+        check_same_experiment(alone, {"experiment": "compare", "preset": "tiny", "overrides": []})
 
 
 def test_a_cpu_run_on_a_gpu_machine_records_no_gpu_peak(corpus, tmp_path, monkeypatch):

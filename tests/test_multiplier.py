@@ -191,3 +191,35 @@ def test_a_single_seed_gives_a_multiplier_without_an_interval(tmp_path):
     text = multiplier_section(_records({"block": 1.2}, [0], shapes=("deep", "shallow")), tmp_path, planned_seeds=6)
     assert "- deep Block AttnRes: 1.200× over 1 seed(s): no interval yet" in text
     assert "includes the report's" not in text and "(no interval yet; n = 1)" in text
+
+
+@pytest.mark.parametrize("scale", [0.8e-12, 0.8e-7, 1e-7, 0.5e-7])
+def test_the_compute_axis_labels_do_not_run_into_one_another(tmp_path, monkeypatch, scale):
+    """The ladder spans 0.8-1.6 T, under a decade: matplotlib labelled every minor tick of
+    the log compute axis as ``8×10^-8``, and results/multiplier/multiplier.png read
+    "7×10^-8 8×10^-8 9×10^-8 10^-7" run together. Each label shown stands apart."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from attnres.experiments.grids.multiplier_report import _plot
+
+    matplotlib.use("Agg")
+    saved, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *args, **kwargs: (saved.append(fig), save(fig, *args, **kwargs)))
+    records = _records({"block": 1.2, "full": 1.1}, range(2), shapes=("deep", "shallow"))
+    for r in records:
+        r["pflops_days"] *= scale
+    _plot(records, tmp_path)
+    (fig,) = saved
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        shown = sorted((t.label1.get_window_extent(renderer) for t in ax.xaxis.get_major_ticks()
+                        + ax.xaxis.get_minor_ticks() if t.label1.get_visible() and t.label1.get_text()
+                        and lo <= t.get_loc() <= hi), key=lambda box: box.x0)
+        assert len(shown) >= 2, [t.get_text() for t in ax.get_xticklabels(which="both")]
+        # apart by at least half a label's height (about a space): 3 px read as one run of text
+        assert all(b.x0 - a.x1 >= a.height / 2 for a, b in zip(shown, shown[1:])), [(b.x0, b.x1) for b in shown]

@@ -264,3 +264,18 @@ def test_every_run_of_a_large_grid_is_drawn_its_own_way(runs):
                                                                 else one.val["loss"][-1]) for k in range(23)]]
         looks = [(h.get_color(), h.get_linestyle(), h.get_marker()) for h in handles]
         assert len(set(looks)) == 23, looks
+
+
+def test_the_step_axis_of_a_run_of_one_logged_step_has_whole_ticks(tmp_path):
+    """A run of one logged step (``steps=1``) was drawn against ticks 0.96, 0.98, 1.00, ...:
+    optimiser steps and tokens are counted, so both axes tick at whole numbers (a log axis
+    keeps its own ticks)."""
+    from attnres.experiments.curves import plot_curves
+
+    run = write_run(tmp_path / "one", [train_record(1, 5.5), eval_record(1, 5.4)])
+    for x in ("step", "tokens"):
+        fig = plot_curves({"one": read_curves(run)}, x=x)
+        fig.canvas.draw()  # the locator places the ticks at drawing
+        for ax in fig.axes:
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), (x, ax.get_title(), ticks)

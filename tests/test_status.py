@@ -84,6 +84,19 @@ def test_the_command_prints_a_line_per_run(runs, capsys):
         cli_main(["status", str(runs / "nowhere")])
 
 
+def test_a_run_named_twice_by_different_paths_is_one_run(runs, capsys, monkeypatch, tmp_path):
+    """`attnres status /abs/runs/done runs/done` listed the run twice, and `attnres plot` of the
+    two drew one run labelled "." (the two paths' common folder is the run itself)."""
+    monkeypatch.chdir(runs.parent)
+    spellings = [str(runs / "done"), "runs/done", "runs/grid/../done/"]
+    assert cli_main(["status", *spellings]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith(str(runs / "done"))  # the header and the run, as first named
+    out = tmp_path / "curves.png"
+    assert cli_main(["plot", *spellings, "--out", str(out)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("(1 run: done)")
+
+
 @pytest.mark.parametrize("command", ["status", "plot"])
 def test_a_hugging_face_model_directory_is_said_to_be_one(tmp_path, command, capsys):
     """`attnres status llama-attnres` (an upcycle) said "no training runs under" it, and `plot`

@@ -444,7 +444,12 @@ def runs_under(command: str, dirs: list[str]) -> list:
         raise SystemExit(f"attnres {command}: error: {', '.join(map(repr, models))} is a Hugging Face model directory "
                          "(an upcycle, an export), not a training run: attnres generate, eval and analyze read it, and "
                          "`attnres train model.from_hf=DIR init_from=DIR out_dir=RUN` trains a run from it")
-    return list(dict.fromkeys(path for runs in found.values() for path in runs))
+    # once per run, however it was spelt: `attnres plot /abs/run run` drew one run labelled "." (the
+    # two paths' common folder is the run) and `attnres status` listed it twice
+    once: dict = {}
+    for path in (path for runs in found.values() for path in runs):
+        once.setdefault(path.resolve(), path)
+    return list(once.values())
 
 
 def missing_extra(argv: list[str], error: ImportError) -> str | None:

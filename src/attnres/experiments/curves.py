@@ -126,6 +126,7 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
     if x not in AXES:
         raise ValueError(f"x must be one of {AXES}; got {x!r}")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(11, 4))
     train_ax, val_ax = fig.subplots(1, 2)
@@ -154,6 +155,8 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
         ax.set_ylabel("loss (nats per token)")
         if log_x:
             ax.set_xscale("log")
+        else:  # steps and tokens are counted: a run of one logged step was read at steps 0.96, 0.98, ...
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

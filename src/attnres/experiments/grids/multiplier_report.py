@@ -202,6 +202,26 @@ def _verdict(comparisons: list[Comparison], complete: list[int], planned: int | 
 
 
 # -- plot --------------------------------------------------------------------------------------
+def _short_log_ticks(ax: Any) -> None:
+    """Tick labels such as ``8e-08`` on a log compute axis spanning less than a decade (the
+    ladder's 0.8-1.6 T): matplotlib then labels every minor tick in ``8×10^-8`` form, and
+    ``7×10^-8 8×10^-8 9×10^-8 10^-7`` ran into one another. Where more than 5 minor ticks
+    show, those of 1, 2, 3 and 5 alone are labelled."""
+    from matplotlib.ticker import FuncFormatter
+
+    lo, hi = ax.get_xlim()
+    if hi / lo >= 10:  # a decade or more: labels at the powers of ten alone, as matplotlib draws them
+        return
+    crowded = len([t for t in ax.xaxis.get_minorticklocs() if lo <= t <= hi]) > 5
+
+    def label(v: float, _: Any) -> str:
+        mantissa = round(v / 10 ** math.floor(math.log10(v)), 6)
+        return f"{v:.0e}" if not crowded or mantissa in (1, 2, 3, 5) else ""
+
+    ax.xaxis.set_major_formatter(FuncFormatter(label))
+    ax.xaxis.set_minor_formatter(FuncFormatter(label))
+
+
 def _plot(records: list[dict[str, Any]], out: Path) -> str:
     from matplotlib.figure import Figure
 
@@ -232,6 +252,7 @@ def _plot(records: list[dict[str, Any]], out: Path) -> str:
             if other != s and len(ladder_means[other]) > 1:
                 ax.plot(*zip(*ladder_means[other]), "--", color="0.4", lw=1, label=f"{other} standard ladder, mean")
         ax.set(xscale="log", xlabel="training compute C (PFLOP/s-days)", ylabel="validation loss", title=f"{s} shape")
+        _short_log_ticks(ax)
         ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure_atomically(fig, out / "multiplier.png", "the grid's figure", dpi=120)

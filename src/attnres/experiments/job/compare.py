@@ -218,6 +218,9 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
     header += ["tokens/s (side by side)", "FLOPs/token (× standard)"]
     header += ["step time (× standard)", "peak memory (× standard)"] if overheads else []
     md = [markdown_table(header, rows)]
+    seeds_note = _other_seeds(final)
+    if seeds_note:
+        md.append(seeds_note)
     gaps: dict[str, Any] = {}
     if not base:
         md.append(_NO_BASELINE)
@@ -264,6 +267,20 @@ def _unread_note(groups: dict[str, list[Run]], losses: dict[str, dict[str, dict[
     first = f" (the first at step {evaluated[0]})" if evaluated else ""
     return (f"\"–\" at equal {' and at equal '.join(unread)}: the step to read lies outside the steps the AttnRes run was "
             f"evaluated at{first}, where its curve has no value; a lower `eval_every` evaluates earlier steps.")
+
+
+def _other_seeds(final: dict[str, dict[int, float]]) -> str:
+    """A note where the models' rows are means over different seeds (a grid split by
+    ``--variants``, one model's seed still training): standard over seeds 0 and 1 against Block
+    over seed 1 alone read as a gap of seed 0's batches, which no table said; "" where every row
+    holds the same seeds."""
+    seeds = {name: sorted(by_seed) for name, by_seed in final.items()}
+    if len({tuple(s) for s in seeds.values()}) < 2:
+        return ""
+    each = "; ".join(f"{_LABELS.get(name, name)}: {', '.join(map(str, s))}" for name, s in seeds.items())
+    return (f"The rows are means over different seeds ({each}), each seed its own batches: they do not compare "
+            "with one another. The paired table compares each AttnRes run with the standard run of its seed; "
+            "the grid's command with the missing `--seeds` trains the others.")
 
 
 _NO_BASELINE = ("No standard run has finished in this grid: the readings at equal compute and equal time and the gaps "
@@ -316,6 +333,7 @@ def _mean_curve(rs: list[Run], key: str) -> np.ndarray | None:
 def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None = None) -> None:
     """Mean ± std curves against steps and against compute; ``start``: where a WSD decay begins."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(10, 3.8))
     axes = fig.subplots(1, 2)
@@ -330,6 +348,8 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
             # markers: a curve of one evaluation (a short run) is a point, which a line alone does not draw
             ax.plot(x, mean, label=f"{_LABELS.get(name, name)} (n={len(rs)})", color=_COLORS.get(name), marker="o", ms=3)
             ax.fill_between(x, mean - std, mean + std, alpha=0.2, color=_COLORS.get(name))
+    # steps are counted: a grid of one evaluation (preset tiny) was read at steps 3.80, 3.85, ...
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     # Zoom on the second half of training, where the curves separate.
     for ax, xlabel in zip(axes, ("optimiser step", "training compute (PFLOP/s-days)")):
         ax.set_xlabel(xlabel)
@@ -386,7 +406,8 @@ def _source_axis(weights: list[list[float]]) -> str:
     name, "block": a Block variant of another name, a Variant of the user's own, read "sublayer
     outputs"; and a block's partial sum, the last source of a row inside a block, went unsaid.)"""
     if len(weights[-1]) < len(weights):
-        return "source (0 = embedding, then completed blocks, then the current block's partial sum)"
+        # two lines: on one it was wider than its panel, run into its neighbour's and cut at the figure's edge
+        return "source (0 = embedding, then completed blocks,\nthen the current block's partial sum)"
     return "source (0 = embedding, then sublayer outputs)"
 
 
@@ -410,7 +431,9 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
             for i, w in enumerate(rows):
                 grid[i, :len(w)] = w
             im = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-            ax.set_yticks(range(len(rows)), [f"{'attn' if parity == 0 else 'mlp'} {i}" for i in range(len(rows) - 1)]
+            # blocks counted from 1, as magnitudes.png's x axis and mixing.png's rows count them (this
+            # figure's "attn 0" was the first block's, magnitudes.png's block 1)
+            ax.set_yticks(range(len(rows)), [f"{'attn' if parity == 0 else 'mlp'} {i + 1}" for i in range(len(rows) - 1)]
                           + ["output"], fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sources are counted: no fractional ticks
             ax.set_xlabel(_source_axis(weights))

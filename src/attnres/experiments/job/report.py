@@ -222,15 +222,20 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
     families = sorted({f for fam in cells.values() for f in fam})
     fig = Figure(figsize=(4.5 * len(families), 3.5))
     axes = fig.subplots(1, len(families), squeeze=False)
+    # One colour scale for both families: each on its own, one colour was two losses, and the
+    # baseline's panel and AttnRes' looked alike whatever the gap between them.
+    losses = [s.loss for fam in cells.values() for s in fam.values() if math.isfinite(s.loss)]
+    lo, hi = (min(losses), max(losses)) if losses else (0.0, 1.0)
     for ax, family in zip(axes[0], families):
         grid = np.full((len(rhs), len(rds)), np.nan)
         for (rd, rh), fam in cells.items():
             if family in fam:
                 grid[rhs.index(rh), rds.index(rd)] = fam[family].loss
-        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
+        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=lo, vmax=hi)
         for (i, j), v in np.ndenumerate(grid):
-            if np.isfinite(v):
-                ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="w", fontsize=7)
+            if np.isfinite(v):  # dark on viridis' bright upper half (white on its yellow could not be read)
+                ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="k" if v > (lo + hi) / 2 else "w",
+                        fontsize=7)
         ax.set_xticks(range(len(rds)), [f"{v:g}" for v in rds])
         ax.set_yticks(range(len(rhs)), [f"{v:g}" for v in rhs])
         ax.set_xlabel("d / L_b")
@@ -253,7 +258,12 @@ def _setup(out: Path, records: list[dict[str, Any]], per_size: bool = False) -> 
         return ""
     m = c["model"]
     seeds = sorted({r["seed"] for r in records})
+    # (arch-sweep's cells differ in shape: the line gave the first run's, "d_model 24, 3 transformer
+    # blocks, 3 heads", as the shape of every run)
+    shapes = {(x["model"]["d_model"], x["model"]["n_layers"], x["model"]["n_heads"])
+              for x in filter(None, (saved_config(out, r) for r in records))}
     model = ("model shape, steps and warm-up: by size (the runs table); " if per_size else
+             "model shape: by run (the table); " if len(shapes) > 1 else
              f"d_model {m['d_model']}, {m['n_layers']} transformer blocks, {m['n_heads']} heads, ")
     warmup = "" if per_size else f", {_plural(c['warmup_steps'], 'warm-up step')}"
     return (f"Set-up: {model}vocab {m['vocab_size']} ({c['data']['tokenizer']}); {c['batch_size']} x {c['seq_len']} "
@@ -378,8 +388,11 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
         preset = header["preset"]
     records, left_out = _left_out(out, records, variants)
     if not records:
+        # (of a folder with no run at all it said no more: neither which folder nor what trains its runs)
         raise ValueError(f"no finished runs to report for experiment {name!r}"
-                         + (f" ({left_out.strip().removesuffix('.')})" if left_out else ""))
+                         + (f" ({left_out.strip().removesuffix('.')})" if left_out else
+                            f" in {shell_path(out)}: no run of the grid has been trained there; its command without "
+                            "--report-only trains them (`attnres status` lists the runs a folder holds)"))
     out.mkdir(parents=True, exist_ok=True)
     summ = summarize(records)
     measured = apply_overhead(summ, out)

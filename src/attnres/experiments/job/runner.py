@@ -30,6 +30,7 @@ from ...models.config import readers_in_words, residual_fields_given
 from ...nn.residual import registered_residuals, residual_class
 from ...output_paths import strict_json, write_text_atomically
 from ...progress import clock
+from ...shell_words import shell_path
 from ...termination import Terminated
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override, sets_vocab_size
@@ -288,9 +289,12 @@ def check_not_foreign(out: Path) -> None:
     what = training_output(out) or (_hf_model_directory(out) if (out / "config.json").is_file() else None)
     if what is None and (out / "report.md").is_file():
         what = f"a folder with a report.md that no experiment wrote (no {EXPERIMENT_FILE}), which the grid's would replace"
+    grid = next((p for p in out.absolute().parents if "experiment" in (read_experiment_header(p) or {})), None)
+    if what is not None and grid is not None:  # (a grid's run, `--report-only` of it: "a new folder" reported nothing)
+        raise ValueError(f"--out {str(out)!r} is {what}, a run of the grid {str(grid)!r}: give the grid's folder, "
+                         f"--out {shell_path(grid)}, to continue or report it")
     if what is not None:
         raise ValueError(f"--out {str(out)!r} is {what}; pick another --out, e.g. a new folder")
-    grid = next((p for p in out.absolute().parents if "experiment" in (read_experiment_header(p) or {})), None)
     if grid is not None:  # (a grid's variant folder, say: a new grid there mixed its runs with the grid's)
         raise ValueError(f"--out {str(out)!r} is inside the grid {str(grid)!r} (it holds {EXPERIMENT_FILE}); pick a "
                          "folder outside it, or that grid's folder to continue it")
