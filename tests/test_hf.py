@@ -507,6 +507,24 @@ def test_generate_refuses_an_upcycled_directory_whose_model_type_drops_the_resid
         cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
 
 
+def test_a_plain_directory_saved_with_a_tied_head_under_an_untied_config_names_the_config_field(tmp_path):
+    """A plain Llama whose head was tied to the embedding by hand and saved (save_pretrained keeps
+    one copy of the shared tensor) under ``tie_word_embeddings: false``: refused for its missing
+    head, which is right (transformers starts it at random), but told of a residual's
+    pseudo-queries and attnres upcycle, none of them its own. Said: set tie_word_embeddings."""
+    from fixtures.tiny_families import tiny_model
+
+    llama = tiny_model("llama", vocab_size=256, tie_word_embeddings=False)
+    llama.lm_head.weight = llama.model.embed_tokens.weight
+    llama.save_pretrained(tmp_path)
+    make_hf_tokenizer(ByteTokenizer(), 128).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as raised:
+        cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+    said = str(raised.value)
+    assert f"'{tmp_path}' lacks 1 weight(s) of the causal LM (lm_head.weight)" in said, said
+    assert 'set "tie_word_embeddings": true in its config.json' in said and "pseudo-queries" not in said, said
+
+
 @pytest.mark.parametrize("on_disk", ["residual", ""])
 def test_a_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path, on_disk):
     """``device_map`` with the residual or the whole model (what ``"auto"`` does with a
