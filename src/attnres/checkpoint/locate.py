@@ -178,7 +178,7 @@ def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> N
     except (OSError, ValueError, AttributeError):
         stored, held = {}, []
     held = [a for a in held if isinstance(a, str) and not a.endswith("ForCausalLM")]
-    if names == ["lm_head.weight"] and stored.get("tie_word_embeddings") is False:
+    if names == ["lm_head.weight"] and stored.get("tie_word_embeddings") is not True:
         fix = _untied_head_fix(fix)
     raise ValueError(f"{where} lacks {len(names)} weight(s) of the causal LM ({', '.join(names[:3])}"
                      f"{', ...' if len(names) > 3 else ''}){f'; it holds a {held[0]}' if held else ''}: they would start "
@@ -187,7 +187,8 @@ def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> N
 
 def _untied_head_fix(fix: str) -> str:
     """``fix`` for weights that lack only the LM head under a config.json whose
-    ``tie_word_embeddings`` is false: the usual cause is a model whose head was tied to the
+    ``tie_word_embeddings`` is not true (false, or left to the family's default: a tied
+    family's head is never missing): the usual cause is a model whose head was tied to the
     embedding by hand (``lm_head.weight = embed_tokens.weight``) and saved - ``save_pretrained``
     stores a shared tensor once - where only the general ``fix`` was said."""
     return ("where the model was saved with its head tied to the embedding (save_pretrained keeps one copy of a "
