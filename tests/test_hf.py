@@ -142,6 +142,23 @@ def test_an_attnres_config_built_in_python_warns_of_a_field_its_variant_does_not
     assert unread(lambda: AttnResConfig(residual={"kind": "attnres_block", "block_size": 4})) == []
 
 
+def test_a_residual_field_given_to_from_pretrained_that_its_variant_does_not_read_is_warned_of_once(tmp_path):
+    """``from_pretrained(dir, residual={"block_size": 8})`` of a Full AttnRes export: the stored
+    config.json is read quietly, and the block size the user gave with it was read quietly too -
+    loaded as if it were not there, without a word. Warned of once (the config class's, the Auto
+    model's); without the kwarg, or with a kind that reads it, nothing is said."""
+    from transformers import AutoModelForCausalLM
+
+    AttnResForCausalLM.from_native(native_model(residual="attnres_full")).save_pretrained(tmp_path)
+    said = warned(lambda: AttnResConfig.from_pretrained(tmp_path, residual={"block_size": 8}), " is read only by ")
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=8 is read only by attnres_block"), said
+    assert len(warned(lambda: AutoModelForCausalLM.from_pretrained(tmp_path, residual={"block_size": 8}),
+                      " is read only by ")) == 1
+    assert warned(lambda: AttnResConfig.from_pretrained(tmp_path), " is read only by ") == []
+    assert warned(lambda: AttnResConfig.from_pretrained(tmp_path, residual={"kind": "attnres_block", "block_size": 2}),
+                  " is read only by ") == []
+
+
 def test_cache_is_accepted_under_both_names():
     """transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``: a decode
     step continues the same cache under either name, and both at once is refused."""
@@ -505,6 +522,24 @@ def test_generate_refuses_an_upcycled_directory_whose_model_type_drops_the_resid
                        r".* which the model its config\.json describes \(LlamaForCausalLM, model_type 'llama'\) has no "
                        "place for"):
         cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+
+
+def test_a_plain_directory_saved_with_a_tied_head_under_an_untied_config_names_the_config_field(tmp_path):
+    """A plain Llama whose head was tied to the embedding by hand and saved (save_pretrained keeps
+    one copy of the shared tensor) under ``tie_word_embeddings: false``: refused for its missing
+    head, which is right (transformers starts it at random), but told of a residual's
+    pseudo-queries and attnres upcycle, none of them its own. Said: set tie_word_embeddings."""
+    from fixtures.tiny_families import tiny_model
+
+    llama = tiny_model("llama", vocab_size=256, tie_word_embeddings=False)
+    llama.lm_head.weight = llama.model.embed_tokens.weight
+    llama.save_pretrained(tmp_path)
+    make_hf_tokenizer(ByteTokenizer(), 128).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as raised:
+        cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+    said = str(raised.value)
+    assert f"'{tmp_path}' lacks 1 weight(s) of the causal LM (lm_head.weight)" in said, said
+    assert 'set "tie_word_embeddings": true in its config.json' in said and "pseudo-queries" not in said, said
 
 
 @pytest.mark.parametrize("on_disk", ["residual", ""])

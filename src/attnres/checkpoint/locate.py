@@ -173,13 +173,26 @@ def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> N
         return
     names = sorted(missing)
     try:
-        held = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+        stored = json.loads((Path(path) / "config.json").read_text())
+        held = stored.get("architectures") or []
     except (OSError, ValueError, AttributeError):
-        held = []
+        stored, held = {}, []
     held = [a for a in held if isinstance(a, str) and not a.endswith("ForCausalLM")]
+    if names == ["lm_head.weight"] and stored.get("tie_word_embeddings") is not True:
+        fix = _untied_head_fix(fix)
     raise ValueError(f"{where} lacks {len(names)} weight(s) of the causal LM ({', '.join(names[:3])}"
                      f"{', ...' if len(names) > 3 else ''}){f'; it holds a {held[0]}' if held else ''}: they would start "
                      f"at random, and the model would not be the pretrained one; {fix}")
+
+
+def _untied_head_fix(fix: str) -> str:
+    """``fix`` for weights that lack only the LM head under a config.json whose
+    ``tie_word_embeddings`` is not true (false, or left to the family's default: a tied
+    family's head is never missing): the usual cause is a model whose head was tied to the
+    embedding by hand (``lm_head.weight = embed_tokens.weight``) and saved - ``save_pretrained``
+    stores a shared tensor once - where only the general ``fix`` was said."""
+    return ("where the model was saved with its head tied to the embedding (save_pretrained keeps one copy of a "
+            'shared tensor), set "tie_word_embeddings": true in its config.json; otherwise ' + fix)
 
 
 def refuse_mismatched_weights(where: str, mismatched, fix: str) -> None:

@@ -20,7 +20,7 @@ import types
 from transformers import PretrainedConfig
 
 from ..checkpoint.locate import refuse_loading_training_output
-from ..models.config import ModelConfig, read_quietly
+from ..models.config import ModelConfig, read_quietly, residual_fields_given, stated
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
@@ -111,7 +111,9 @@ class _AttnResConfigMethods(SavesAutoMap):
         attnres_block_size=2)``, the user's own) join the stored fields, which migrate them
         with a ``DeprecationWarning``, instead of reaching the model's ``__init__``. A
         ``residual`` among the ``kwargs`` changes what it names of the stored residual, as :meth:`attnres.ModelConfig.replace` does (``residual={"backend": "torch"}``
-        keeps the kind and the block size; ``residual="attnres_full"`` the block size)."""
+        keeps the kind and the block size; ``residual="attnres_full"`` the block size). The
+        stored config is read quietly (:func:`~attnres.models.config.read_quietly`); a residual
+        field the ``kwargs`` give that the variant does not read is warned of, once."""
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
         flat = legacy or any(k in FLAT_RESIDUAL_KEYS for k in config_dict)  # residual settings of earlier versions
         source = config_source(kwargs)
@@ -120,11 +122,17 @@ class _AttnResConfigMethods(SavesAutoMap):
                            source=source, given=[*kwargs, *(["residual"] if flat else [])])
         with stored_config():  # (an old export's spellings: no warning about what it stores)
             stored = {**migrate_model_keys(config_dict, "AttnResConfig"), **legacy}
+        # (the residual fields the kwargs give are the user's statement: from_pretrained(dir, residual={"block_size":
+        # 8}) of a Full AttnRes export loaded as if S were not there, read quietly with the stored config.json)
+        given = residual_fields_given({"residual": kwargs.get("residual"), **legacy})
         if "residual" in kwargs:  # (transformers sets a kwarg as the whole attribute, unchecked: the stored block
             # size went back to its default without a word, into weights of the same shapes, or a KeyError 'kind')
             stored["residual"] = merge_residual(stored.get("residual"), kwargs.pop("residual"))
         with read_quietly():  # (a stored config.json: its residual fields were warned of when it was stated)
-            return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
+            config = naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
+        if given:
+            stated(config[0].to_model_config if isinstance(config, tuple) else config.to_model_config, given)
+        return config
 
     def to_dict(self) -> dict:
         """As ``PretrainedConfig.to_dict``, with the transformers names of :data:`HF_NAMES`

@@ -83,9 +83,13 @@ def _refuse_incomplete_weights(where: str, path: str | Path, model: torch.nn.Mod
     upcycled model builds that family without the residual). Other unused tensors pass:
     original checkpoints may hold some the family ignores (DeepSeek-V3's multi-token-prediction
     layer). The vLLM plugin refuses the same (docs/serving.md)."""
-    refuse_missing_weights(where, path, loading["missing_keys"],
-                           "export or copy the directory again (a residual's pseudo-queries would be zero); an original "
-                           "checkpoint under an AttnRes config is attnres upcycle --model DIR --out NEW's to convert")
+    missing = loading["missing_keys"]
+    # (the residual's words for a residual's tensors: a plain family's directory lacking its head was told of
+    # pseudo-queries and attnres upcycle)
+    refuse_missing_weights(where, path, missing, "export or copy the directory again (a residual's pseudo-queries would be "
+                           "zero); an original checkpoint under an AttnRes config is attnres upcycle --model DIR --out "
+                           "NEW's to convert" if any(name.startswith("residual.") for name in missing) else
+                           "export or copy the directory again")
     unused = sorted(name for name in loading["unexpected_keys"] if name.startswith("residual."))
     if unused:
         shown = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")

@@ -61,7 +61,8 @@ def warn_unread_residual_fields(given: set[str], config: ModelConfig | ResidualC
     and ``TrainConfig(model={...})`` (the fields the overrides or the mapping give, not the
     preset's own: :func:`stated`), ``load_config`` (the config file's and the overrides'
     fields), ``attnres train`` (the same, checked against the config it trains: a resume
-    without a config file the run's own), ``AttnResConfig(...)`` and ``upcycle(...)``.
+    without a config file the run's own), ``AttnResConfig(...)``, ``upcycle(...)`` and
+    ``AttnResConfig.from_pretrained(dir, residual={...})`` (the keyword's fields).
     ``from_dict`` and ``replace`` say nothing (:func:`read_quietly`): they read stored configs
     and config files, and keep the fields a change of variant leaves, as documented.
     ``config``: a ``ModelConfig``, or the ``ResidualConfig`` alone (``upcycle``'s)."""

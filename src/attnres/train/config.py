@@ -309,7 +309,9 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from a mapping (as read from YAML); unknown keys raise ``ValueError``
-        naming them and the known keys, in every section."""
+        naming them and the known keys, in every section. A residual field the model's variant
+        does not read is not warned of (a stored config's, a config file's: :func:`load_config`
+        warns of those the user gave); ``TrainConfig(model={...})`` and ``load_config`` do."""
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
         data = migrate_train_keys(data)
