@@ -126,6 +126,27 @@ def test_nothing_to_draw_is_said(runs, tmp_path):
     assert not (tmp_path / "c.png").exists()
 
 
+def test_a_run_of_checkpoints_without_its_log_is_said_to_miss_the_log(runs, tmp_path, capsys):
+    """A run copied with its checkpoints but not its metrics.jsonl was told "a run's directory
+    holds config.json and metrics.jsonl" (alone) or "no loss logged yet" (beside others): its
+    log is what is missing, and attnres train is what writes it."""
+    copied = tmp_path / "copied"
+    (copied / "checkpoints" / "step-10").mkdir(parents=True)
+    (copied / "config.json").write_text((runs / "lr-1" / "config.json").read_text())
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["plot", str(copied), "--out", str(tmp_path / "c.png")])
+    said = str(exit_.value.code)
+    assert said.startswith("attnres plot: error: no run has a loss to draw; no metrics.jsonl (the run's log of its "
+                           "losses, which attnres train writes from the run's start") and "copied" in said
+    assert "holds config.json and metrics.jsonl" not in said and not (tmp_path / "c.png").exists()
+    (runs / "copied").mkdir()
+    (runs / "copied" / "checkpoints").mkdir()
+    (runs / "copied" / "config.json").write_text((copied / "config.json").read_text())
+    assert cli_main(["plot", str(runs), "--out", str(tmp_path / "c.png")]) == 0
+    assert capsys.readouterr().out.startswith(f"attnres plot: wrote {tmp_path / 'c.png'} (2 runs: lr-1, lr-2); no loss "
+                                              "logged yet: fresh; no metrics.jsonl (the run's log of its losses")
+
+
 def test_without_matplotlib_the_extra_is_named(runs, tmp_path, monkeypatch, capsys):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
