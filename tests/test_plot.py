@@ -278,13 +278,28 @@ def test_every_run_of_a_large_grid_is_drawn_its_own_way(runs):
     from attnres.experiments.curves import plot_curves
 
     one = read_curves(runs / "lr-1")
-    fig = plot_curves({f"run-{k}": one for k in range(23)})
+    fig = plot_curves({f"run-{k}": one for k in range(23)}, smooth=0)
     for ax in fig.axes:
         handles, labels = ax.get_legend_handles_labels()
-        assert labels == [f"run-{k} ({v:.4f})" for k, v in [(k, one.train["loss"][-1] if ax is fig.axes[0]
+        assert labels == [f"run-{k} (last {v:.4f})" for k, v in [(k, one.train["loss"][-1] if ax is fig.axes[0]
                                                                 else one.val["loss"][-1]) for k in range(23)]]
         looks = [(h.get_color(), h.get_linestyle(), h.get_marker()) for h in handles]
         assert len(set(looks)) == 23, looks
+
+
+def test_the_training_legend_says_which_last_value_is_raw_and_which_smoothed(runs):
+    """The training legend gave the last raw loss beside the smoothed curve, unlabelled: read as
+    where the bold line ends, it was off by a step's noise. It says both, each by name; without
+    smoothing, the last loss."""
+    from attnres.experiments.curves import _ema, plot_curves
+
+    curves = read_curves(runs / "lr-1")
+    raw, smoothed = curves.train["loss"][-1], _ema(curves.train["loss"], 0.6)[-1]
+    assert f"{raw:.4f}" != f"{smoothed:.4f}"
+    train_ax, val_ax = plot_curves({"lr-1": curves}, smooth=0.6).axes
+    assert train_ax.get_legend_handles_labels()[1] == [f"lr-1 (last {raw:.4f} raw, {smoothed:.4f} smoothed)"]
+    assert val_ax.get_legend_handles_labels()[1] == [f"lr-1 (last {curves.val['loss'][-1]:.4f})"]
+    assert plot_curves({"lr-1": curves}, smooth=0).axes[0].get_legend_handles_labels()[1] == [f"lr-1 (last {raw:.4f})"]
 
 
 def test_the_step_axis_of_a_run_of_one_logged_step_has_whole_ticks(tmp_path):
