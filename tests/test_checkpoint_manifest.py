@@ -383,3 +383,50 @@ def test_a_platform_that_does_not_open_directories_still_writes_checkpoints(tmp_
 
     monkeypatch.setattr(manifest.os, "open", no_directories)
     assert read_checkpoint_state(_written(tmp_path, 1, keep=1))["step"] == 1
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_readers_see_a_step_moved_aside_by_a_kill_and_write_nothing(tmp_path, monkeypatch, keep):
+    """After a kill between ``publish_checkpoint``'s two renames (the step written again moved
+    aside to ``.old-step-*``, the new one not yet renamed in), the readers - find_valid_checkpoint
+    (generate, eval), newest_state, attnres status - did not see the step until the trainer's next
+    start renamed it back: they went back to the step before it, or found no checkpoint (keep=1).
+    They read it where it is, and write nothing: the run's next start still restores it."""
+    import os
+    import warnings
+
+    from attnres.checkpoint import find_valid_checkpoint, latest_checkpoint, manifest, remove_partial_checkpoints
+    from attnres.checkpoint.locate import newest_state
+    from attnres.train.status import run_status
+
+    _written(tmp_path, 1, keep=keep)
+    _written(tmp_path, 2, keep=keep)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        _written(tmp_path, 2, keep=keep)
+    monkeypatch.undo()
+    run, aside = tmp_path / "run", tmp_path / "run" / "checkpoints" / ".old-step-00000002"
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"model": {"residual": "standard"}, "steps": 2}))
+    listing = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ".old-step-00000002" in listing and "step-00000002" not in listing
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        found = find_valid_checkpoint(run)
+    assert (found.path, found.step) == (aside, 2)
+    assert any("from .old-step-00000002" in str(w.message) and "next start renames it back" in str(w.message)
+               for w in said), [str(w.message) for w in said]
+    assert latest_checkpoint(run, replaced=True) == aside and newest_state(run)[0] == aside
+    assert run_status(run).step == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == listing  # (read, not restored)
+    assert [p.name for p in manifest.checkpoint_dirs(run)] == ["step-00000001"][:keep - 1]  # (the writer's listing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remove_partial_checkpoints(run)
+    assert latest_checkpoint(run, replaced=True) == latest_checkpoint(run) == run / "checkpoints" / "step-00000002"

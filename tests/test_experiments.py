@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -1389,6 +1390,28 @@ def test_a_grid_is_not_written_into_a_run_or_over_a_report_it_did_not_write(corp
                           f"data.paths=[{corpus}]", *extra])
     assert (notes / "report.md").read_text() == "mine" and sorted(p.name for p in run.iterdir()) == [
         "config.json", "metrics.jsonl"]
+
+
+def test_the_report_names_the_grids_variants_with_no_run(corpus, tmp_path, capsys):
+    """A compare grid trained with --variants standard block only: its report, titled "Standard
+    vs Block vs Full", left Full out without a word (it has no run, no folder, no record). The
+    report names it, and how to train it."""
+    out = tmp_path / "compare"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "block",
+                     "--overhead-repeats", "0", f"data.paths=[{corpus}]"]) == 0
+    text = (out / "report.md").read_text()
+    assert text.startswith("# Standard vs Block vs Full AttnRes")
+    assert ("Left out of this report: 1 variant of the grid with no run in this folder (full: the grid's command "
+            "without --variants trains it, with `--variants full` it alone).") in text
+    records = load_records(out, get_experiment("compare", "tiny"))
+    assert "1 variant of the grid with no run in this folder (full" in write_report("compare", records, out).read_text()
+    shutil.move(out / "block", tmp_path / "block")  # (the grid's preset: experiment.json's, where none is given)
+    assert ("2 variants of the grid with no run in this folder (block, full: the grid's command without --variants "
+            "trains them, with `--variants block full` them alone)") in write_report("compare", records[:1], out).read_text()
+    shutil.move(out / "standard", tmp_path / "standard")  # (nothing trained: said as before, not as 3 variants)
+    with pytest.raises(ValueError, match=r"no finished runs to report for experiment 'compare' in .*: no run of the "
+                       "grid has been trained there"):
+        write_report("compare", [], out, "tiny")
 
 
 def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(corpus, tmp_path, capsys):

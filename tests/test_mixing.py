@@ -485,6 +485,14 @@ def test_the_rank_of_an_exact_integer_matrix_is_taken_at_float64s_tolerance():
     assert int(semiseparable_rank(torch.eye(4, dtype=torch.int32))) == 1
 
 
+def test_the_rank_of_an_empty_mixing_matrix_is_zero():
+    """A 0x0 matrix (``[..., 0, 0]``) failed inside ``torch.stack`` (no blocks to rank): it has
+    rank 0, of the leading shape, as an n x n matrix's rank is."""
+    assert semiseparable_rank(torch.zeros(3, 2, 0, 0, dtype=F64)).tolist() == [[0, 0]] * 3
+    assert semiseparable_rank(torch.zeros(0, 0)).shape == ()
+    assert semiseparable_rank(torch.zeros(0, 0)).dtype == semiseparable_rank(torch.eye(2)).dtype
+
+
 def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
     """``source_stats`` took ``[N, n, n]`` only: a ``MixingMatrix``'s ``[B, T, n, n]`` (or a
     parameter-only variant's ``[n, n]``) failed "too many (not enough) values to unpack"."""

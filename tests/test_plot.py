@@ -126,6 +126,27 @@ def test_nothing_to_draw_is_said(runs, tmp_path):
     assert not (tmp_path / "c.png").exists()
 
 
+def test_a_run_of_checkpoints_without_its_log_is_said_to_miss_the_log(runs, tmp_path, capsys):
+    """A run copied with its checkpoints but not its metrics.jsonl was told "a run's directory
+    holds config.json and metrics.jsonl" (alone) or "no loss logged yet" (beside others): its
+    log is what is missing, and attnres train is what writes it."""
+    copied = tmp_path / "copied"
+    (copied / "checkpoints" / "step-10").mkdir(parents=True)
+    (copied / "config.json").write_text((runs / "lr-1" / "config.json").read_text())
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["plot", str(copied), "--out", str(tmp_path / "c.png")])
+    said = str(exit_.value.code)
+    assert said.startswith("attnres plot: error: no run has a loss to draw; no metrics.jsonl (the run's log of its "
+                           "losses, which attnres train writes from the run's start") and "copied" in said
+    assert "holds config.json and metrics.jsonl" not in said and not (tmp_path / "c.png").exists()
+    (runs / "copied").mkdir()
+    (runs / "copied" / "checkpoints").mkdir()
+    (runs / "copied" / "config.json").write_text((copied / "config.json").read_text())
+    assert cli_main(["plot", str(runs), "--out", str(tmp_path / "c.png")]) == 0
+    assert capsys.readouterr().out.startswith(f"attnres plot: wrote {tmp_path / 'c.png'} (2 runs: lr-1, lr-2); no loss "
+                                              "logged yet: fresh; no metrics.jsonl (the run's log of its losses")
+
+
 def test_without_matplotlib_the_extra_is_named(runs, tmp_path, monkeypatch, capsys):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -257,13 +278,28 @@ def test_every_run_of_a_large_grid_is_drawn_its_own_way(runs):
     from attnres.experiments.curves import plot_curves
 
     one = read_curves(runs / "lr-1")
-    fig = plot_curves({f"run-{k}": one for k in range(23)})
+    fig = plot_curves({f"run-{k}": one for k in range(23)}, smooth=0)
     for ax in fig.axes:
         handles, labels = ax.get_legend_handles_labels()
-        assert labels == [f"run-{k} ({v:.4f})" for k, v in [(k, one.train["loss"][-1] if ax is fig.axes[0]
+        assert labels == [f"run-{k} (last {v:.4f})" for k, v in [(k, one.train["loss"][-1] if ax is fig.axes[0]
                                                                 else one.val["loss"][-1]) for k in range(23)]]
         looks = [(h.get_color(), h.get_linestyle(), h.get_marker()) for h in handles]
         assert len(set(looks)) == 23, looks
+
+
+def test_the_training_legend_says_which_last_value_is_raw_and_which_smoothed(runs):
+    """The training legend gave the last raw loss beside the smoothed curve, unlabelled: read as
+    where the bold line ends, it was off by a step's noise. It says both, each by name; without
+    smoothing, the last loss."""
+    from attnres.experiments.curves import _ema, plot_curves
+
+    curves = read_curves(runs / "lr-1")
+    raw, smoothed = curves.train["loss"][-1], _ema(curves.train["loss"], 0.6)[-1]
+    assert f"{raw:.4f}" != f"{smoothed:.4f}"
+    train_ax, val_ax = plot_curves({"lr-1": curves}, smooth=0.6).axes
+    assert train_ax.get_legend_handles_labels()[1] == [f"lr-1 (last {raw:.4f} raw, {smoothed:.4f} smoothed)"]
+    assert val_ax.get_legend_handles_labels()[1] == [f"lr-1 (last {curves.val['loss'][-1]:.4f})"]
+    assert plot_curves({"lr-1": curves}, smooth=0).axes[0].get_legend_handles_labels()[1] == [f"lr-1 (last {raw:.4f})"]
 
 
 def test_the_step_axis_of_a_run_of_one_logged_step_has_whole_ticks(tmp_path):

@@ -506,6 +506,34 @@ def test_a_checkpoint_written_before_the_first_step_resumes_with_a_fresh_optimis
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
 
 
+def test_a_parameter_frozen_when_saved_resumes_with_a_fresh_optimiser_state(tmp_path):
+    """A parameter that had no optimiser state when the checkpoint was saved (frozen:
+    ``requires_grad`` False, never stepped) was asked of DCP all the same ('Missing key
+    optim.bias.exp_avg') and nothing loaded. The state that is there loads; the frozen one's
+    starts fresh, as it would have gone on; another optimiser's state is still refused."""
+    from attnres.checkpoint import load_sharded
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        path = save_sharded(tmp_path / "run", 1, dict(model.named_parameters()), optimizer, {}, keep=1)
+    other = torch.nn.Linear(3, 2)  # (other weights; the bias unfrozen since)
+    other_optimizer = torch.optim.AdamW(other.parameters())
+    load_sharded(path, dict(other.named_parameters()), other_optimizer, restore_rng=False)
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+    assert other.bias not in other_optimizer.state  # (fresh: its first step will be its first)
+    saved = optimizer.state[model.weight]
+    assert all(torch.equal(other_optimizer.state[other.weight][k], v) for k, v in saved.items())
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)  # (no momentum_buffer was saved)
+    with pytest.raises(CheckpointError, match="cannot be loaded into this model/optimiser"):
+        load_sharded(path, dict(other.named_parameters()), sgd, restore_rng=False)
+
+
 @pytest.mark.parametrize("rng", [{"generator": torch.zeros(3, dtype=torch.uint8)}, {"torch_cpu": torch.zeros(3)}])
 def test_an_rng_file_without_the_cpu_state_is_named(tmp_path, rng):
     """A sharded checkpoint whose ``rng.safetensors`` (its hash matching: written by another

@@ -75,7 +75,8 @@ def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
     and below the diagonal lies in one of these). Singular values count above ``rtol`` times
     ``M``'s largest (default: :func:`rank_rtol` of ``M``'s dtype - a float32 ``M``'s rounding
     counts for nothing; a float64 ``M`` of float32 weights needs ``rank_rtol(n,
-    torch.float32)``, as :func:`depth_mixing_matrix` gives it). Returns an integer tensor ``[...]``.
+    torch.float32)``, as :func:`depth_mixing_matrix` gives it). Returns an integer tensor ``[...]``
+    (zeros for ``n = 0``: a 0x0 matrix has rank 0).
     A stack is ranked :data:`RANK_CHUNK` matrices at a time: its float64 copy and the SVDs'
     workspace are those matrices', not the stack's (Highway's per-channel stack is ``d``
     times the per-token one)."""
@@ -83,6 +84,8 @@ def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
     n = M.shape[-1]
     # (integer or boolean entries are exact: float64's tolerance; torch.finfo refused their dtype)
     rtol = rank_rtol(n, M.dtype if M.is_floating_point() else MIXING_DTYPE) if rtol is None else rtol
+    if n == 0:  # (a 0x0 mixing matrix - no sources - has rank 0: there are no blocks to stack the ranks of)
+        return torch.zeros(M.shape[:-2], dtype=torch.long, device=M.device)
     return _ranks_in_chunks(M.detach(), rtol)
 
 

@@ -18,7 +18,15 @@ from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
 from ..shell_words import shell_path
 from ..user_warning import warn_user
 from ..validation import missing_path_hint
-from .manifest import STATE_FILE, CheckpointError, CheckpointFormatTooNew, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
+from .manifest import (
+    REPLACED_PREFIX,
+    STATE_FILE,
+    CheckpointError,
+    CheckpointFormatTooNew,
+    checkpoint_dirs,
+    latest_checkpoint,
+    read_checkpoint_state,
+)
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["CheckpointRemoved", "Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
@@ -398,7 +406,7 @@ def run_of_checkpoint(path: str | Path) -> tuple[Path, str | None] | None:
 def _run_directory(location: Path) -> Path:
     """The run directory ``location`` names: itself, or the run whose ``checkpoints/`` folder
     it is (what ``ls`` and tab completion offer between a run and its ``step-*`` directories)."""
-    if location.name == "checkpoints" and not (location / "checkpoints").is_dir() and checkpoint_dirs(location.parent):
+    if location.name == "checkpoints" and not (location / "checkpoints").is_dir() and checkpoint_dirs(location.parent, True):
         return location.parent
     return location
 
@@ -409,7 +417,7 @@ def newest_state(location: str | Path) -> tuple[Path, dict[str, Any]] | None:
     it verifies it: its files' hashes are read once). ``None`` where there is no checkpoint or
     its ``state.json`` does not read as a mapping."""
     location = Path(location)
-    step = location if (location / STATE_FILE).is_file() else latest_checkpoint(_run_directory(location))
+    step = location if (location / STATE_FILE).is_file() else latest_checkpoint(_run_directory(location), replaced=True)
     if step is None:
         return None
     try:
@@ -443,7 +451,8 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
     if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
         return Source(location, verify_checkpoint(location, optional))
     run = _run_directory(location)
-    candidates = checkpoint_dirs(run)
+    # (replaced: a checkpoint a kill left moved aside is its step's until the run restores it - a reader writes nothing)
+    candidates = checkpoint_dirs(run, replaced=True)
     bad: list[tuple[Path, str]] = []
     removed = 0
     while candidates:
@@ -456,7 +465,7 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
                 raise CheckpointError(f"the checkpoints of {str(location)!r} were removed as fast as they were "
                                       f"verified ({removed} times): its run keeps very few (keep_checkpoints); copy one "
                                       "aside and name the copy") from None
-            candidates = [p for p in checkpoint_dirs(run) if p not in {b for b, _ in bad}]
+            candidates = [p for p in checkpoint_dirs(run, replaced=True) if p not in {b for b, _ in bad}]
             continue
         except CheckpointFormatTooNew as e:  # not damaged: falling back would bury the newer version's steps
             older = f" ({candidates[-1].name} is the newest before it)" if candidates else ""
@@ -469,6 +478,10 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
             warn_user(f"skipping a checkpoint that does not verify: {problem}{moved}")
         if bad:
             warn_user(f"falling back to the newest valid checkpoint {str(path)!r} (step {state['step']})")
+        if path.name.startswith(REPLACED_PREFIX):
+            warn_user(f"reading step {state['step']} of {str(run)!r} from {path.name}: the run was killed while "
+                      "writing that step again, after moving this one aside and before renaming the new one in; the "
+                      "run's next start renames it back")
         return Source(path, state)
     if bad:  # nothing to fall back to: kept where it is, for the user to inspect
         checkpoints = str(run / "checkpoints")

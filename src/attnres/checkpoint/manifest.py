@@ -103,9 +103,11 @@ def seal_state(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _directory_step(path: Path) -> int | None:
-    """The step a ``step-<digits>`` directory's name gives (``None`` for any other name)."""
-    digits = path.name[len(PREFIX):]
-    return int(digits) if path.name.startswith(PREFIX) and digits.isdigit() else None
+    """The step a ``step-<digits>`` directory's name gives, or a ``.old-step-<digits>`` one's
+    (:func:`publish_checkpoint`'s moved aside); ``None`` for any other name."""
+    name = path.name[len(REPLACED_PREFIX):] if path.name.startswith(REPLACED_PREFIX) else path.name
+    digits = name[len(PREFIX):]
+    return int(digits) if name.startswith(PREFIX) and digits.isdigit() else None
 
 
 def _check_manifest(path: Path, doc: dict[str, Any]) -> None:
@@ -127,17 +129,27 @@ def checkpoint_path(out_dir: str | Path, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
 
 
-def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
-    """Complete checkpoint directories under ``<out_dir>/checkpoints``, oldest first."""
+def checkpoint_dirs(out_dir: str | Path, replaced: bool = False) -> list[Path]:
+    """Complete checkpoint directories under ``<out_dir>/checkpoints``, oldest first.
+    ``replaced``: a reader's listing, with a checkpoint a kill left moved aside
+    (``.old-step-*``: :func:`publish_checkpoint` writing its step again, killed before the new
+    one was renamed in) where its step has no other - it is that step's checkpoint until the
+    run's next start renames it back (:func:`remove_partial_checkpoints`), which a reader, writing
+    nothing, does not do (generate, eval and status found the step gone, or no checkpoint)."""
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+    if replaced:
+        named = {p.name for p in dirs}
+        dirs += [p for p in root.glob(REPLACED_PREFIX + PREFIX + "*") if p.is_dir() and _directory_step(p) is not None
+                 and p.name[len(REPLACED_PREFIX):] not in named]
+    return sorted(dirs, key=_directory_step)
 
 
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    dirs = checkpoint_dirs(out_dir)
+def latest_checkpoint(out_dir: str | Path, replaced: bool = False) -> Path | None:
+    """The newest of :func:`checkpoint_dirs` (``replaced``: as a reader lists them)."""
+    dirs = checkpoint_dirs(out_dir, replaced)
     return dirs[-1] if dirs else None
 
 

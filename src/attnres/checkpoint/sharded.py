@@ -287,6 +287,20 @@ def _verify_once(path: Path) -> dict[str, Any]:
     return value
 
 
+def _leave_fresh_where_none_was_saved(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
+                                      stored: Mapping[str, object]) -> None:
+    """Drop the optimiser state :func:`init_optimizer_state` made for each parameter the
+    checkpoint holds none of (frozen - ``requires_grad`` False - or never stepped when it was
+    saved: DCP was asked for its ``optim.<name>.exp_avg`` and failed, 'Missing key'): it starts
+    fresh, as it would have gone on. One whose state is there under other names (another
+    optimiser's) is still asked for its own, and fails."""
+    # (state names have no dot - exp_avg, step, momentum_buffer: what precedes the last one is the parameter's key)
+    held = {uncompiled_name(key).rpartition(".")[0] for key in stored if key.startswith("optim.")}
+    for name, p in params.items():
+        if f"optim.{name}" not in held:
+            optimizer.state.pop(p, None)
+
+
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
                  restore_rng: bool = True, verified: dict[str, Any] | None = None) -> None:
     """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout; a compiled
@@ -295,7 +309,9 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
     ``verified``: the checkpoint's ``state.json``, where the caller has verified it (as the
     trainer has, :func:`~attnres.checkpoint.find_valid_checkpoint`: its shards are not hashed
     again); without it rank 0 verifies it first (every file's SHA-256: a damaged shard loaded
-    as it was, without a word) and every rank raises :class:`CheckpointError` if it fails."""
+    as it was, without a word) and every rank raises :class:`CheckpointError` if it fails.
+    A parameter that had no optimiser state when the checkpoint was saved (frozen, or never
+    stepped) keeps a fresh one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -311,6 +327,7 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
         optimizer = None
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
+        _leave_fresh_where_none_was_saved(params, optimizer, stored)
     sd = _as_stored(_state_dict(params, optimizer), stored)
     try:
         with torch.no_grad(), _one_process_quietly():

@@ -45,6 +45,7 @@ def run(args, parser) -> int:
 
     from ..experiments.curves import plot_curves, read_curves, run_labels
     from ..output_paths import OutputPathError, check_output_file
+    from ..train.metrics import METRICS_FILE
     from .common import runs_under
 
     out = Path(args.out)
@@ -55,18 +56,27 @@ def run(args, parser) -> int:
         check_output_file(out)
     except OutputPathError as e:
         raise SystemExit(f"attnres plot: error: {e}") from None
-    curves = {label: read_curves(path) for label, path in zip(run_labels(runs), runs)}
+    paths = dict(zip(run_labels(runs), runs))
+    curves = {label: read_curves(path) for label, path in paths.items()}
+    # (a run of checkpoints without its log - copied without it - was "no loss logged yet", and alone
+    # told that a run's directory holds config.json and metrics.jsonl, where it held config.json)
+    no_log = [label for label, c in curves.items() if c.empty and not (paths[label] / METRICS_FILE).is_file()]
     # (every loss NaN or infinite, or the run stopped by a diverged step before it logged one)
-    diverged = [label for label, c in curves.items() if c.empty and (c.nonfinite or c.diverged is not None)]
-    empty = [label for label, c in curves.items() if c.empty and label not in diverged]
+    diverged = [label for label, c in curves.items()
+                if c.empty and (c.nonfinite or c.diverged is not None) and label not in no_log]
+    empty = [label for label, c in curves.items() if c.empty and label not in diverged + no_log]
     drawn = {label: c for label, c in curves.items() if not c.empty}
     left_out = "".join(f"; {what}: {', '.join(labels)}" for what, labels in (
-        ("no loss logged yet", empty), ("no finite loss logged (diverged)", diverged)) if labels)
+        ("no loss logged yet", empty), ("no finite loss logged (diverged)", diverged),
+        (f"no {METRICS_FILE} (the run's log of its losses, which attnres train writes from the run's start; "
+         "the run was copied or cleaned without it?)", no_log)) if labels)
     if not drawn:
-        what = (f"no training runs under {', '.join(args.dirs)}" if not runs else "no run has logged a loss yet"
-                if not diverged else f"no run has logged a finite loss{left_out}")
-        raise SystemExit(f"attnres plot: error: {what} (a run's directory holds config.json and metrics.jsonl)")
-    _warn_incomparable(drawn, dict(zip(run_labels(runs), runs)), args.x)
+        what = (f"no training runs under {', '.join(args.dirs)}" if not runs else f"no run has a loss to draw{left_out}"
+                if no_log else "no run has logged a loss yet" if not diverged
+                else f"no run has logged a finite loss{left_out}")
+        hint = "" if no_log else f" (a run's directory holds config.json and {METRICS_FILE})"
+        raise SystemExit(f"attnres plot: error: {what}{hint}")
+    _warn_incomparable(drawn, paths, args.x)
     try:
         plot_curves(drawn, out, x=args.x, smooth=args.smooth, log_x=args.log_x)
     except OutputPathError as e:  # (a disk that filled up since the check: the figure that was there stays)

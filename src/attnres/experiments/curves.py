@@ -106,8 +106,14 @@ def _ema(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def _last(points: dict[str, list[float]]) -> str:
-    return f" ({points['loss'][-1]:.4f})" if points["step"] else ""
+def _last(points: dict[str, list[float]], smooth: float = 0.0) -> str:
+    """A legend's last value: the last logged loss, and beside a smoothed curve the smoothed one
+    too - where the bold line ends (the raw value alone, beside the smoothed curve, read as the
+    curve's end and was off it by a step's noise)."""
+    if not points["step"]:
+        return ""
+    raw = points["loss"][-1]
+    return f" (last {raw:.4f} raw, {_ema(points['loss'], smooth)[-1]:.4f} smoothed)" if smooth else f" (last {raw:.4f})"
 
 
 #: The line styles and markers of the runs after matplotlib's first 10 colours, 10 runs each.
@@ -120,7 +126,8 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
     """Two panels: each run's training loss (raw and faint, and smoothed by an exponential
     moving average of weight ``smooth``, 0 = none) and its validation loss, against ``x``
     (:data:`AXES`), one colour per run in both, the legends with each run's last logged
-    value. Returns the matplotlib ``Figure`` (a notebook shows it), also written to ``path``
+    value (the training loss's smoothed one beside it when ``smooth``: "last 3.0012 raw,
+    3.1045 smoothed"). Returns the matplotlib ``Figure`` (a notebook shows it), also written to ``path``
     (``.png``, ``.pdf``, ``.svg``) when given. Drawn without pyplot: matplotlib's backend and
     pyplot's figures are left as they are, and the figure is freed with its last reference."""
     if x not in AXES:
@@ -145,7 +152,7 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
         if c.val["step"]:  # markers: a run of one evaluation is a point, which a line alone does not draw
             val_ax.plot(c.val[x], c.val["loss"], color=color, ls=style, marker=marker, ms=3, lw=1.4)
         # one legend entry per run in both panels (a run without evaluations too), the last values said
-        train_ax.plot([], [], color=color, ls=style, label=label + _last(c.train))
+        train_ax.plot([], [], color=color, ls=style, label=label + _last(c.train, smooth))
         val_ax.plot([], [], color=color, ls=style, marker=marker, ms=3, label=label + _last(c.val))
     xlabel = "optimiser step" if x == "step" else "training tokens"
     for ax, title in ((train_ax, "training loss" + (f" (smoothed, {smooth:g})" if smooth else "")),

@@ -124,7 +124,7 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
     """The :class:`RunStatus` of the run directory ``path``; ``warn``: say how many lines of
     its metrics.jsonl could not be read, and which (``attnres status``)."""
     path = Path(path)
-    newest = latest_checkpoint(path)
+    newest = latest_checkpoint(path, replaced=True)  # (one a kill left moved aside: its step's until a restart)
     config, config_error = _run_config(path, newest)
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     residual = model.get("residual")
@@ -132,7 +132,7 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
     records = read_metrics(path / METRICS_FILE, warn=warn)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval" and r.get("val_loss") is not None]
-    checkpoint_step = int(newest.name.split("-", 1)[1]) if newest is not None else None
+    checkpoint_step = int(newest.name.rsplit("-", 1)[1]) if newest is not None else None
     step = max([r["step"] for r in records] + [checkpoint_step or 0])
     steps = config.get("steps")
     state, holder = _state(path, step, steps, checkpoint_step, bool(records) and records[-1]["kind"] == "diverged")
@@ -189,7 +189,7 @@ def data_fingerprint(checkpoint: Path | None) -> str | None:
 
 def run_data(run: str | Path) -> str | None:
     """:func:`data_fingerprint` of the run directory ``run``'s newest checkpoint."""
-    return data_fingerprint(latest_checkpoint(Path(run)))
+    return data_fingerprint(latest_checkpoint(Path(run), replaced=True))
 
 
 def _run_config(path: Path, newest: Path | None) -> tuple[dict[str, Any], str | None]:

@@ -348,14 +348,41 @@ def _other_texts(out: Path, records: list[dict[str, Any]]) -> str:
     return f"**{said}.**\n\n"
 
 
-def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | None) -> tuple[list[dict[str, Any]], str]:
+#: How many of the grid's variants without a run :func:`_left_out` names (an arch-sweep has 50).
+_NAMED_UNTRAINED = 6
+
+
+def _untrained_variants(out: Path, records: list[dict[str, Any]], grid: list[str] | None) -> list[str]:
+    """The variants of ``grid`` (its variants' names, in order; ``None``: not known) with no
+    run in ``out``: no record and no ``<variant>/seed*`` folder (a grid trained with
+    ``--variants`` of some of them). None where no variant has one (an empty folder, said
+    otherwise)."""
+    if grid is None:
+        return []
+    recorded = {r.get("variant") for r in records}
+    untrained = [v for v in grid if v not in recorded and not any(d.is_dir() for d in (out / v).glob("seed*"))]
+    return untrained if len(untrained) < len(grid) else []
+
+
+def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | None,
+              grid: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
     """The records the report can use (a final validation loss that is a number) and a
     sentence naming the runs it leaves out: those whose loss is not a number (NaN, or
-    ``null`` in ``result.json``) and those not finished (no ``result.json``)."""
+    ``null`` in ``result.json``), those not finished (no ``result.json``), and the variants of
+    ``grid`` never trained (:func:`_untrained_variants`)."""
     kept = reportable(records)
     not_a_number = [f"{r['variant']} seed {r['seed']}" for r in records if r not in kept]
     unfinished, training = _unfinished_runs(out, records, variants)
+    # (a compare grid trained with --variants standard and block only: its report, titled "Standard vs Block vs
+    # Full", left Full out without a word)
+    untrained = _untrained_variants(out, records, grid)
     parts = []
+    if untrained:
+        named, more = untrained[:_NAMED_UNTRAINED], "..." if len(untrained) > _NAMED_UNTRAINED else ""
+        them = "them" if len(untrained) > 1 else "it"
+        parts.append(f"{_plural(len(untrained), 'variant')} of the grid with no run in this folder "
+                     f"({', '.join(named + [more] * bool(more))}: the grid's command without --variants trains {them}, "
+                     f"with `--variants {' '.join(named + [more] * bool(more))}` {them} alone)")
     if not_a_number:
         parts.append(f"{_plural(len(not_a_number), 'run')} whose final validation loss is not a number "
                      f"({', '.join(not_a_number)}: see its metrics.jsonl; retrain it in another --out, e.g. at a lower lr)")
@@ -386,7 +413,8 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     header = read_experiment_header(out) or {}
     if not preset and header.get("experiment") == name and header.get("preset") in PRESETS.get(name, ()):
         preset = header["preset"]
-    records, left_out = _left_out(out, records, variants)
+    grid = [v.name for v in get_experiment(name, preset).variants] if preset else None
+    records, left_out = _left_out(out, records, variants, grid)
     if not records:
         # (of a folder with no run at all it said no more: neither which folder nor what trains its runs)
         raise ValueError(f"no finished runs to report for experiment {name!r}"
