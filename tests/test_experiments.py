@@ -1414,6 +1414,36 @@ def test_the_report_names_the_grids_variants_with_no_run(corpus, tmp_path, capsy
         write_report("compare", [], out, "tiny")
 
 
+def test_the_report_says_once_how_to_train_the_variants_it_lacks(corpus, tmp_path, capsys):
+    """A compare grid trained with --variants standard alone: the "Left out" line and the
+    paragraph "No AttnRes run has finished" both said `--variants block full`. The paragraph
+    points to the line; where the line does not name them (no preset known), it says the command."""
+    out = tmp_path / "compare"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard",
+                     "--overhead-repeats", "0", f"data.paths=[{corpus}]"]) == 0
+    text = (out / "report.md").read_text()
+    assert text.count("`--variants block full`") == 1, text
+    assert ("No AttnRes run has finished in this grid: the gaps paired by seed need a Block or Full AttnRes run of the "
+            "same seed as the standard one. The line \"Left out of this report\" above names the command that trains "
+            "them.") in text
+    (out / "experiment.json").unlink()  # (no grid known: no "Left out" line, the paragraph says the command)
+    records = load_records(out, get_experiment("compare", "tiny"))
+    alone = write_report("compare", records, out).read_text()
+    assert "Left out" not in alone and "Train them with the same command and `--variants block full`." in alone
+
+
+def test_a_long_list_of_untrained_variants_gives_no_command_that_cannot_be_pasted(tmp_path):
+    """More than 6 of the grid's variants with no run: the suggested command ended in a literal
+    `--variants a b c d e f ...`. The first 6 are named, with how many more, and no --variants."""
+    from attnres.experiments.job.report import _left_out
+
+    _, text = _left_out(tmp_path, [], None, [f"v{i}" for i in range(9)])
+    assert text == ("Left out of this report: 9 variants of the grid with no run in this folder (v0, v1, v2, v3, v4, "
+                    "v5 and 3 more: the grid's command without --variants trains them).\n\n")
+    _, text = _left_out(tmp_path, [], None, [f"v{i}" for i in range(6)])
+    assert "with `--variants v0 v1 v2 v3 v4 v5` them alone" in text
+
+
 def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(corpus, tmp_path, capsys):
     """An interrupted run was left out of the report without a word; a NaN validation loss
     ended the report in a traceback (statistics.stdev); a grid without the standard run (or
