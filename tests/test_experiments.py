@@ -257,6 +257,29 @@ def test_a_grid_paused_with_stop_after_is_continued_by_the_command_status_gives(
     assert "finished earlier, skipped" in capsys.readouterr().out
 
 
+def test_a_run_whose_checkpoint_a_kill_left_moved_aside_is_resumed_and_reported(corpus, tmp_path, capsys):
+    """A run whose only checkpoint a kill left moved aside (.old-step-00000002: killed while
+    writing that step again): the report named it unfinished "at step 0" and found no data
+    fingerprint, and the grid's command started it anew, a fresh run whose start restored the
+    checkpoint and then refused the out_dir as holding one. Readers see it; the grid resumes it."""
+    from attnres.experiments.job.report import _data_fingerprint
+
+    out = tmp_path / "grid"
+    over = ["--overhead-repeats", "0", f"data.paths=[{corpus}]", "steps=4"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over[2:],
+                     "stop_after=2"]) == 0
+    checkpoints = out / "standard" / "seed0" / "checkpoints"
+    (checkpoints / "step-00000002").rename(checkpoints / ".old-step-00000002")
+    with pytest.raises(ValueError, match=r"1 unfinished run \(standard seed 0 at step 2 of 4"):
+        write_report("compare", [], out, "tiny")
+    assert _data_fingerprint(out, {"variant": "standard", "seed": 0}) is not None
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="restored step-00000002"):  # (by the run's start)
+        assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    assert json.loads((out / "standard" / "seed0" / "result.json").read_text())["steps"] == 4
+
+
 def test_a_grid_is_continued_with_another_progress_display_or_process_layout(corpus, tmp_path, capsys):
     """progress=false and parallel.* were stored as the grid's overrides and compared: the grid
     continued with the progress bar back on, or another parallel.dp, was refused as another

@@ -307,9 +307,9 @@ def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str
         if (not d.is_dir() or not seed.isdigit() or (name, int(seed)) in finished or (d / RESULT_FILE).exists()
                 or (variants is not None and name not in variants)):
             continue
-        latest = latest_checkpoint(d)
+        latest = latest_checkpoint(d, replaced=True)  # (a reader: one a kill left moved aside is still the run's)
         config = saved_config(out, {"variant": name, "seed": int(seed)}) or {}
-        reached = int(latest.name.split("-", 1)[1]) if latest is not None else 0
+        reached = int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
         found[run_status(d).state == "running"].append(f"{name} seed {seed} at step {reached} of "
                                                       f"{config.get('steps', '?')}")
     return found
@@ -327,7 +327,7 @@ def _data_fingerprint(out: Path, record: dict[str, Any]) -> str | None:
         return record["data_fingerprint"]
     if not isinstance(record.get("variant"), str) or not isinstance(record.get("seed"), int):
         return None
-    return data_fingerprint(latest_checkpoint(run_dir(out, record["variant"], record["seed"])))
+    return data_fingerprint(latest_checkpoint(run_dir(out, record["variant"], record["seed"]), replaced=True))
 
 
 def _other_texts(out: Path, records: list[dict[str, Any]]) -> str:
