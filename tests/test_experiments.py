@@ -257,6 +257,29 @@ def test_a_grid_paused_with_stop_after_is_continued_by_the_command_status_gives(
     assert "finished earlier, skipped" in capsys.readouterr().out
 
 
+def test_a_run_whose_checkpoint_a_kill_left_moved_aside_is_resumed_and_reported(corpus, tmp_path, capsys):
+    """A run whose only checkpoint a kill left moved aside (.old-step-00000002: killed while
+    writing that step again): the report named it unfinished "at step 0" and found no data
+    fingerprint, and the grid's command started it anew, a fresh run whose start restored the
+    checkpoint and then refused the out_dir as holding one. Readers see it; the grid resumes it."""
+    from attnres.experiments.job.report import _data_fingerprint
+
+    out = tmp_path / "grid"
+    over = ["--overhead-repeats", "0", f"data.paths=[{corpus}]", "steps=4"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over[2:],
+                     "stop_after=2"]) == 0
+    checkpoints = out / "standard" / "seed0" / "checkpoints"
+    (checkpoints / "step-00000002").rename(checkpoints / ".old-step-00000002")
+    with pytest.raises(ValueError, match=r"1 unfinished run \(standard seed 0 at step 2 of 4"):
+        write_report("compare", [], out, "tiny")
+    assert _data_fingerprint(out, {"variant": "standard", "seed": 0}) is not None
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="restored step-00000002"):  # (by the run's start)
+        assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    assert json.loads((out / "standard" / "seed0" / "result.json").read_text())["steps"] == 4
+
+
 def test_a_grid_is_continued_with_another_progress_display_or_process_layout(corpus, tmp_path, capsys):
     """progress=false and parallel.* were stored as the grid's overrides and compared: the grid
     continued with the progress bar back on, or another parallel.dp, was refused as another
@@ -1412,6 +1435,36 @@ def test_the_report_names_the_grids_variants_with_no_run(corpus, tmp_path, capsy
     with pytest.raises(ValueError, match=r"no finished runs to report for experiment 'compare' in .*: no run of the "
                        "grid has been trained there"):
         write_report("compare", [], out, "tiny")
+
+
+def test_the_report_says_once_how_to_train_the_variants_it_lacks(corpus, tmp_path, capsys):
+    """A compare grid trained with --variants standard alone: the "Left out" line and the
+    paragraph "No AttnRes run has finished" both said `--variants block full`. The paragraph
+    points to the line; where the line does not name them (no preset known), it says the command."""
+    out = tmp_path / "compare"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard",
+                     "--overhead-repeats", "0", f"data.paths=[{corpus}]"]) == 0
+    text = (out / "report.md").read_text()
+    assert text.count("`--variants block full`") == 1, text
+    assert ("No AttnRes run has finished in this grid: the gaps paired by seed need a Block or Full AttnRes run of the "
+            "same seed as the standard one. The line \"Left out of this report\" above names the command that trains "
+            "them.") in text
+    (out / "experiment.json").unlink()  # (no grid known: no "Left out" line, the paragraph says the command)
+    records = load_records(out, get_experiment("compare", "tiny"))
+    alone = write_report("compare", records, out).read_text()
+    assert "Left out" not in alone and "Train them with the same command and `--variants block full`." in alone
+
+
+def test_a_long_list_of_untrained_variants_gives_no_command_that_cannot_be_pasted(tmp_path):
+    """More than 6 of the grid's variants with no run: the suggested command ended in a literal
+    `--variants a b c d e f ...`. The first 6 are named, with how many more, and no --variants."""
+    from attnres.experiments.job.report import _left_out
+
+    _, text = _left_out(tmp_path, [], None, [f"v{i}" for i in range(9)])
+    assert text == ("Left out of this report: 9 variants of the grid with no run in this folder (v0, v1, v2, v3, v4, "
+                    "v5 and 3 more: the grid's command without --variants trains them).\n\n")
+    _, text = _left_out(tmp_path, [], None, [f"v{i}" for i in range(6)])
+    assert "with `--variants v0 v1 v2 v3 v4 v5` them alone" in text
 
 
 def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(corpus, tmp_path, capsys):

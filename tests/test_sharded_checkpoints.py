@@ -607,6 +607,39 @@ def test_a_run_from_a_sharded_checkpoint_hashes_its_shards_once(tmp_path, monkey
     assert shards and set(shards.values()) == {1}, hashed
 
 
+def test_a_run_state_json_cannot_hold_is_named_before_anything_is_written(tmp_path):
+    """A ``run_state`` that JSON cannot hold failed only when rank 0 wrote ``state.json``, last,
+    with json's bare TypeError, which ``agree`` never heard of (the other ranks waited for rank 0
+    until the process group's timeout), and the temporary ``.tmp-...-dcp`` directory, every
+    shard in it, stayed. It is named before anything is written, and nothing is left."""
+    model = torch.nn.Linear(3, 2)
+    out = tmp_path / "run"
+    with warnings.catch_warnings(), pytest.raises(TypeError) as raised:
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        save_sharded(out, 1, dict(model.named_parameters()), torch.optim.AdamW(model.parameters()),
+                     {"tokens_seen": 3, "sampler": {"order": [1, 2], "seed": object()}}, keep=1)
+    assert str(raised.value).startswith("save_sharded: run_state['sampler']['seed'] cannot be written to state.json "
+                                        "(Object of type object is not JSON serializable)"), raised.value
+    assert not out.exists() or list(out.rglob("*")) == [], list(out.rglob("*"))
+
+
+def test_the_temporary_directory_goes_whatever_stops_the_save(tmp_path, monkeypatch):
+    """Only a CheckpointWriteError removed the temporary directory: any other error while
+    completing the checkpoint (here one from writing its state) left it, every shard in it."""
+    from attnres.checkpoint import sharded
+
+    def stopped(*args, **kwargs):
+        raise RuntimeError("stopped while publishing")
+
+    monkeypatch.setattr(sharded, "publish_checkpoint", stopped)
+    model = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="stopped while publishing"):
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        save_sharded(tmp_path / "run", 1, dict(model.named_parameters()), torch.optim.AdamW(model.parameters()), {},
+                     keep=1)
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
+
+
 def worker(root: Path) -> None:
     """On each of 2 ranks (``torchrun --nproc-per-node 2 this-file root``), through the Python
     API: ``save_sharded`` with its defaults; ``save_sharded`` that fails on rank 0 alone (a
@@ -637,6 +670,8 @@ def worker(root: Path) -> None:
         return save_sharded(root / "run", step, params, torch.optim.AdamW(model.parameters()), {}, keep=2)
 
     attempt("defaults", lambda: read_checkpoint_state(save(1)))  # (published whole: it verifies)
+    attempt("not json on rank 0", lambda: save_sharded(root / "run", 3, params, torch.optim.AdamW(model.parameters()),
+                                                       {"seed": {1, 2}} if rank == 0 else {}, keep=2))
     if rank == 0:
         def out_of_sight(tmp: Path) -> None:
             raise CheckpointError("a shard out of sight")
@@ -683,6 +718,18 @@ def test_save_sharded_failing_on_one_rank_fails_on_every_rank(two_ranks):
                f"{str(root / 'run' / 'checkpoints')!r}: a shard out of sight; nothing of it was kept")
     assert ended[0]["rank 0 fails"].startswith(message) and ended[1]["rank 0 fails"] == ended[0]["rank 0 fails"], ended
     assert sorted(p.name for p in (root / "run" / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+@pytest.mark.slow  # (the same launch)
+def test_a_run_state_json_cannot_hold_on_rank_0_stops_every_rank(two_ranks):
+    """Rank 0 raised json's TypeError alone, writing state.json after every rank had written its
+    shards: rank 1 waited for it until the process group's timeout. Every rank stops before
+    anything is written, rank 0 with the TypeError naming the entry, rank 1 with its message."""
+    root, ended = two_ranks
+    message = "save_sharded: run_state['seed'] cannot be written to state.json (Object of type set is not JSON"
+    assert ended[0]["not json on rank 0"].startswith(f"TypeError: {message}"), ended
+    assert ended[1]["not json on rank 0"].startswith(f"CheckpointWriteError: {message}"), ended
+    assert not any(p.name.startswith(".tmp") for p in (root / "run" / "checkpoints").iterdir())
 
 
 @pytest.mark.slow  # (the same launch)

@@ -220,6 +220,44 @@ def check_extra_files(files: dict[str, bytes] | None, own: set[str], who: str) -
     return extra
 
 
+def _not_json_at(value: Any, where: str, within: tuple[int, ...] = ()) -> str | None:
+    """Where in ``value`` (``where``: its own place, ``run_state['sampler']``) the first entry
+    that ``json.dumps`` cannot write is, or ``None`` where there is none."""
+    if id(value) in within:  # (a dict or list holding itself)
+        return where
+    if isinstance(value, dict):
+        for key, item in value.items():
+            place = f"{where}[{key!r}]"
+            if not (key is None or isinstance(key, (str, int, float, bool))):
+                return place
+            found = _not_json_at(item, place, (*within, id(value)))
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((found for i, item in enumerate(value)
+                     if (found := _not_json_at(item, f"{where}[{i}]", (*within, id(value)))) is not None), None)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return where
+    return None
+
+
+def run_state_problem(run_state: dict[str, Any], who: str) -> TypeError | None:
+    """The ``TypeError`` naming the entry of ``run_state`` (what a writer adds to ``state.json``)
+    that JSON cannot hold, or ``None``: checked before anything is written, as
+    :func:`publish_checkpoint`, the last step, failed after every file (a sharded checkpoint's:
+    every rank's) had been."""
+    try:
+        json.dumps(run_state)
+    except (TypeError, ValueError) as e:
+        place = _not_json_at(run_state, "run_state") or "run_state"
+        return TypeError(f"{who}: {place} cannot be written to {STATE_FILE} ({e}): run_state must hold JSON values "
+                         "only (str, int, float, bool, None, and lists and dicts of them keyed by str)")
+    return None
+
+
 def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head: dict, tail: dict, keep: int) -> None:
     """The last steps of every checkpoint writer: hash ``names`` (files under ``tmp``) into
     the state file ``{**head, "files": ..., **tail}``, flush every file to the disk, move

@@ -52,6 +52,7 @@ from .manifest import (
     publish_checkpoint,
     read_checkpoint_state,
     rng_state,
+    run_state_problem,
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
@@ -149,7 +150,9 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     process group; the trainer's, on its own: every rank stops together).
 
     Raises :class:`CheckpointWriteError` when it cannot be written or completed (nothing is
-    published, the earlier checkpoints stay, the temporary files are removed on every rank)."""
+    published, the earlier checkpoints stay, the temporary files are removed on every rank), and
+    ``TypeError`` naming the entry of ``run_state`` that JSON cannot hold (passed to ``agree``
+    before any file is written: every rank stops)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -177,21 +180,20 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     # (the names without torch.compile's '_orig_mod.' of a part compiled whole: the checkpoint's, as
     # write_checkpoint's, which a model with nothing compiled resumes from)
     params = by_own_names(params, "save_sharded")
-    failure: CheckpointWriteError | None = None
+    # (a run_state that JSON cannot hold failed rank 0 alone, writing state.json last, with a TypeError that
+    # agree was never told of: the other ranks waited for it until the process group's timeout)
+    problem = run_state_problem(run_state, "save_sharded")
     try:
-        agree(_attempt(prepare, final) if main else None)
+        agree(problem or (_attempt(prepare, final) if main else None))  # (a problem: before any file is written)
         try:
             dcp.save(_state_dict(params, optimizer), checkpoint_id=str(tmp / DCP_DIR))  # raises on every rank alike
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk, a read-only file system, ...
             raise write_failure(final, e) from None
         agree(_attempt(complete, final) if main else None)
-    except CheckpointWriteError as e:
-        failure = e
-    # Failed: this rank's view of the temporary directory goes. Published: rank 0 renamed it,
-    # so only a rank with another directory under out_dir's name can still see one.
-    shutil.rmtree(tmp, ignore_errors=True)
-    if failure is not None:
-        raise failure
+    finally:
+        # Failed, whatever the error: this rank's view of the temporary directory goes. Published: rank 0
+        # renamed it, so only a rank with another directory under out_dir's name can still see one.
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

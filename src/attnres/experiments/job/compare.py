@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,10 +184,11 @@ def equal_time_noise(groups: dict[str, list[Run]], step_ratio: dict[str, float],
     return out
 
 
-def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]] | None = None, repeats: int = 10
-            ) -> tuple[str, dict[str, Any], dict[str, tuple[float, float]]]:
+def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]] | None = None, repeats: int = 10,
+            untrained: Collection[str] = ()) -> tuple[str, dict[str, Any], dict[str, tuple[float, float]]]:
     """The loss and paired-gap tables; ``overheads``: ``overhead.json``'s per-variant ratios,
-    measured over ``repeats`` rounds. Also returns the paired gaps and :func:`equal_time_noise`."""
+    measured over ``repeats`` rounds; ``untrained``: the grid's variants the report names as
+    having no run (:func:`_how_to_train`). Also returns the paired gaps and :func:`equal_time_noise`."""
     step_ratio = {name: v["step_ratio"] for name, v in (overheads or {}).items()}
     base = groups.get(BASELINE)
     final = {name: {r.record["seed"]: r.record["val_loss"] for r in rs} for name, rs in groups.items()}
@@ -223,9 +225,9 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
         md.append(seeds_note)
     gaps: dict[str, Any] = {}
     if not base:
-        md.append(_NO_BASELINE)
+        md.append(_NO_BASELINE + _how_to_train([BASELINE], untrained))
     elif len(groups) == 1:
-        md.append(_NO_ATTNRES)
+        md.append(_NO_ATTNRES + _how_to_train(["block", "full"], untrained))
     else:
         paired_rows = []
         for name in groups:
@@ -284,10 +286,19 @@ def _other_seeds(final: dict[str, dict[int, float]]) -> str:
 
 
 _NO_BASELINE = ("No standard run has finished in this grid: the readings at equal compute and equal time and the gaps "
-                "paired by seed are taken against the standard model's run of the same seed. Train it with the same "
-                "command and `--variants standard`.")
+                "paired by seed are taken against the standard model's run of the same seed.")
 _NO_ATTNRES = ("No AttnRes run has finished in this grid: the gaps paired by seed need a Block or Full AttnRes run of "
-               "the same seed as the standard one. Train them with the same command and `--variants block full`.")
+               "the same seed as the standard one.")
+
+
+def _how_to_train(names: list[str], untrained: Collection[str]) -> str:
+    """The sentence after :data:`_NO_BASELINE` or :data:`_NO_ATTNRES` on how to train the
+    variants ``names``: the command, unless every one is among ``untrained`` (the variants the
+    report's "Left out of this report" line names with that command: said once)."""
+    them = "them" if len(names) > 1 else "it"
+    if set(names) <= set(untrained):
+        return f" The line \"Left out of this report\" above names the command that trains {them}."
+    return f" Train {them} with the same command and `--variants {' '.join(names)}`."
 _TIME_NOTE = ("Step time: CPU time of one training step at one thread, interleaved, × standard = median of the "
               "per-round ratios ± its noise (the larger of its {interval} and how far an identical copy of the "
               "standard model lands from 1). Equal time reads each curve at the standard model's steps / that ratio; "
@@ -586,15 +597,16 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | N
     return out
 
 
-def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
-    """The body of the compare report (tables, plots written into ``out``, findings)."""
+def compare_markdown(records: list[dict[str, Any]], out: Path, untrained: Collection[str] = ()) -> str:
+    """The body of the compare report (tables, plots written into ``out``, findings);
+    ``untrained``: the grid's variants the report's head names as having no run."""
     runs = load_runs(out, records)
     order = [n for n in (BASELINE, "block", "full") if any(r.variant == n for r in runs)]
     groups = {n: [r for r in runs if r.variant == n] for n in order}
     groups.update({n: rs for n, rs in _by_variant(runs).items() if n not in groups})
     measured = read_overhead(out)
     repeats = measured.get("repeats", 10) if measured else 10
-    tables, gaps, noisy = _tables(groups, measured["variants"] if measured else None, repeats)
+    tables, gaps, noisy = _tables(groups, measured["variants"] if measured else None, repeats, untrained)
     parts = [tables]
     start = decay_start(out, runs[0].record) if runs else None
     wsd_note = "" if start is None else (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,9 +307,9 @@ def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str
         if (not d.is_dir() or not seed.isdigit() or (name, int(seed)) in finished or (d / RESULT_FILE).exists()
                 or (variants is not None and name not in variants)):
             continue
-        latest = latest_checkpoint(d)
+        latest = latest_checkpoint(d, replaced=True)  # (a reader: one a kill left moved aside is still the run's)
         config = saved_config(out, {"variant": name, "seed": int(seed)}) or {}
-        reached = int(latest.name.split("-", 1)[1]) if latest is not None else 0
+        reached = int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
         found[run_status(d).state == "running"].append(f"{name} seed {seed} at step {reached} of "
                                                       f"{config.get('steps', '?')}")
     return found
@@ -326,7 +327,7 @@ def _data_fingerprint(out: Path, record: dict[str, Any]) -> str | None:
         return record["data_fingerprint"]
     if not isinstance(record.get("variant"), str) or not isinstance(record.get("seed"), int):
         return None
-    return data_fingerprint(latest_checkpoint(run_dir(out, record["variant"], record["seed"])))
+    return data_fingerprint(latest_checkpoint(run_dir(out, record["variant"], record["seed"]), replaced=True))
 
 
 def _other_texts(out: Path, records: list[dict[str, Any]]) -> str:
@@ -364,25 +365,32 @@ def _untrained_variants(out: Path, records: list[dict[str, Any]], grid: list[str
     return untrained if len(untrained) < len(grid) else []
 
 
+def _untrained_md(untrained: list[str]) -> str:
+    """The part of the "Left out" line naming the grid's variants with no run: each, and the
+    ``--variants`` that trains them, up to :data:`_NAMED_UNTRAINED`; beyond, the first ones and
+    how many more, and no ``--variants`` (one ending in "..." cannot be pasted; 50 names are
+    not read)."""
+    them = "them" if len(untrained) > 1 else "it"
+    if len(untrained) > _NAMED_UNTRAINED:
+        return (f"{_plural(len(untrained), 'variant')} of the grid with no run in this folder "
+                f"({', '.join(untrained[:_NAMED_UNTRAINED])} and {len(untrained) - _NAMED_UNTRAINED} more: the grid's "
+                "command without --variants trains them)")
+    return (f"{_plural(len(untrained), 'variant')} of the grid with no run in this folder ({', '.join(untrained)}: "
+            f"the grid's command without --variants trains {them}, with `--variants {' '.join(untrained)}` {them} alone)")
+
+
 def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | None,
-              grid: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
+              untrained: Sequence[str] = ()) -> tuple[list[dict[str, Any]], str]:
     """The records the report can use (a final validation loss that is a number) and a
     sentence naming the runs it leaves out: those whose loss is not a number (NaN, or
-    ``null`` in ``result.json``), those not finished (no ``result.json``), and the variants of
-    ``grid`` never trained (:func:`_untrained_variants`)."""
+    ``null`` in ``result.json``), those not finished (no ``result.json``), and the grid's
+    variants never trained (``untrained``: :func:`_untrained_variants`)."""
     kept = reportable(records)
     not_a_number = [f"{r['variant']} seed {r['seed']}" for r in records if r not in kept]
     unfinished, training = _unfinished_runs(out, records, variants)
-    # (a compare grid trained with --variants standard and block only: its report, titled "Standard vs Block vs
-    # Full", left Full out without a word)
-    untrained = _untrained_variants(out, records, grid)
     parts = []
     if untrained:
-        named, more = untrained[:_NAMED_UNTRAINED], "..." if len(untrained) > _NAMED_UNTRAINED else ""
-        them = "them" if len(untrained) > 1 else "it"
-        parts.append(f"{_plural(len(untrained), 'variant')} of the grid with no run in this folder "
-                     f"({', '.join(named + [more] * bool(more))}: the grid's command without --variants trains {them}, "
-                     f"with `--variants {' '.join(named + [more] * bool(more))}` {them} alone)")
+        parts.append(_untrained_md(list(untrained)))
     if not_a_number:
         parts.append(f"{_plural(len(not_a_number), 'run')} whose final validation loss is not a number "
                      f"({', '.join(not_a_number)}: see its metrics.jsonl; retrain it in another --out, e.g. at a lower lr)")
@@ -414,7 +422,10 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     if not preset and header.get("experiment") == name and header.get("preset") in PRESETS.get(name, ()):
         preset = header["preset"]
     grid = [v.name for v in get_experiment(name, preset).variants] if preset else None
-    records, left_out = _left_out(out, records, variants, grid)
+    # (a compare grid trained with --variants standard and block only: its report, titled "Standard vs Block vs
+    # Full", left Full out without a word)
+    untrained = _untrained_variants(out, records, grid)
+    records, left_out = _left_out(out, records, variants, untrained)
     if not records:
         # (of a folder with no run at all it said no more: neither which folder nor what trains its runs)
         raise ValueError(f"no finished runs to report for experiment {name!r}"
@@ -424,7 +435,7 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     out.mkdir(parents=True, exist_ok=True)
     summ = summarize(records)
     measured = apply_overhead(summ, out)
-    body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ, records),
+    body = {"compare": lambda: compare_markdown(records, out, untrained), "ablation": lambda: _ablation_md(summ, records),
             "block-size": lambda: _block_size_md(summ, out, records), "scaling": lambda: _scaling_md(records, out, preset), "arch-sweep": lambda: _arch_sweep_md(summ, out),
             "multiplier": lambda: _multiplier_md(records, out, preset)}[name]()
     steps = sorted({r["steps"] for r in records})

@@ -234,7 +234,9 @@ def run_one(config: TrainConfig, variant: Variant, vocab_size_given: bool = Fals
     None on the CPU, a GPU machine's included), data_fingerprint (of the text it trained on).
     """
     out = Path(config.out_dir)
-    if latest_checkpoint(out) is not None:
+    # (replaced=True: a checkpoint a kill left moved aside is the run's, which train's start renames back; a run
+    # holding only that was started fresh, and refused by that start as holding checkpoints)
+    if latest_checkpoint(out, replaced=True) is not None:
         config.resume = True
     device = training_device(config.device)
     gpu = device if device.type == "cuda" else None
@@ -535,9 +537,10 @@ def _stopped_early(config: TrainConfig) -> bool:
 
 
 def _trained_steps(config: TrainConfig) -> int:
-    """The steps a run has trained so far: its latest checkpoint's (0 without one)."""
-    latest = latest_checkpoint(config.out_dir)
-    return 0 if latest is None else int(latest.name.split("-", 1)[1])
+    """The steps a run has trained so far: its latest checkpoint's (0 without one; one a kill
+    left moved aside counts: the run's next start renames it back)."""
+    latest = latest_checkpoint(config.out_dir, replaced=True)
+    return 0 if latest is None else int(latest.name.rsplit("-", 1)[1])
 
 
 class _Pace:
