@@ -26,6 +26,7 @@ from .manifest import (
     checkpoint_dirs,
     latest_checkpoint,
     read_checkpoint_state,
+    step_of_directory,
 )
 from .sharded import is_sharded, verify_dcp_files
 
@@ -500,6 +501,6 @@ def set_aside_newer(out_dir: str | Path, step: int) -> list[Path]:
     are kept, but no resume or tool picks them up)."""
     moved = []
     for path in checkpoint_dirs(out_dir):
-        if int(path.name.split("-", 1)[1]) > step:
+        if step_of_directory(path) > step:
             moved.append(_set_aside(path, SUPERSEDED_PREFIX))
     return moved

@@ -102,7 +102,7 @@ def seal_state(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, STATE_HASH: _state_digest(doc)}
 
 
-def _directory_step(path: Path) -> int | None:
+def step_of_directory(path: Path) -> int | None:
     """The step a ``step-<digits>`` directory's name gives, or a ``.old-step-<digits>`` one's
     (:func:`publish_checkpoint`'s moved aside); ``None`` for any other name."""
     name = path.name[len(REPLACED_PREFIX):] if path.name.startswith(REPLACED_PREFIX) else path.name
@@ -116,7 +116,7 @@ def _check_manifest(path: Path, doc: dict[str, Any]) -> None:
     if STATE_HASH in doc and doc[STATE_HASH] != _state_digest(doc):
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or was edited: {STATE_FILE} does not match "
                               f"its own SHA-256 ({STATE_HASH})")
-    step, named = doc.get("step"), _directory_step(path)
+    step, named = doc.get("step"), step_of_directory(path)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} holds no valid step ({step!r})")
     if named is not None and step != named:
@@ -142,9 +142,9 @@ def checkpoint_dirs(out_dir: str | Path, replaced: bool = False) -> list[Path]:
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
     if replaced:
         named = {p.name for p in dirs}
-        dirs += [p for p in root.glob(REPLACED_PREFIX + PREFIX + "*") if p.is_dir() and _directory_step(p) is not None
+        dirs += [p for p in root.glob(REPLACED_PREFIX + PREFIX + "*") if p.is_dir() and step_of_directory(p) is not None
                  and p.name[len(REPLACED_PREFIX):] not in named]
-    return sorted(dirs, key=_directory_step)
+    return sorted(dirs, key=step_of_directory)
 
 
 def latest_checkpoint(out_dir: str | Path, replaced: bool = False) -> Path | None:
@@ -285,8 +285,8 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     os.replace(tmp, final)
     _fsync(final.parent)  # (the rename, before the rotation deletes what came before it)
     shutil.rmtree(aside, ignore_errors=True)
-    step = _directory_step(final)
-    for old in [p for p in checkpoint_dirs(out_dir) if _directory_step(p) <= step][:-keep]:
+    step = step_of_directory(final)
+    for old in [p for p in checkpoint_dirs(out_dir) if step_of_directory(p) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     _warn_of_newer(final, out_dir, step)
 
@@ -297,7 +297,7 @@ def _warn_of_newer(final: Path, out_dir: str | Path, step: int) -> None:
     generate RUN`` and :func:`~attnres.checkpoint.find_valid_checkpoint` take, so they went on
     from the abandoned trajectory's, without a word, until this one passed it. (Said without
     the step written: Python's filter shows it once, not at every checkpoint until then.)"""
-    newer = [p.name for p in checkpoint_dirs(out_dir) if _directory_step(p) > step]
+    newer = [p.name for p in checkpoint_dirs(out_dir) if step_of_directory(p) > step]
     if not newer:
         return
     shown = ", ".join(newer[:3]) + (", ..." if len(newer) > 3 else "")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import latest_checkpoint
-from ..checkpoint.manifest import STATE_FILE
+from ..checkpoint.manifest import STATE_FILE, step_of_directory
 from ..output_paths import read_json_object
 from ..shell_words import shell_path
 from .lock import LOCK_FILE, stale_here
@@ -132,7 +132,7 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
     records = read_metrics(path / METRICS_FILE, warn=warn)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval" and r.get("val_loss") is not None]
-    checkpoint_step = int(newest.name.rsplit("-", 1)[1]) if newest is not None else None
+    checkpoint_step = step_of_directory(newest) if newest is not None else None
     step = max([r["step"] for r in records] + [checkpoint_step or 0])
     steps = config.get("steps")
     state, holder = _state(path, step, steps, checkpoint_step, bool(records) and records[-1]["kind"] == "diverged")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ...checkpoint.manifest import step_of_directory
 from ...output_paths import save_figure_atomically, write_text_atomically
 from ...shell_words import shell_path
 from ...train import latest_checkpoint
@@ -309,7 +310,7 @@ def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str
             continue
         latest = latest_checkpoint(d, replaced=True)  # (a reader: one a kill left moved aside is still the run's)
         config = saved_config(out, {"variant": name, "seed": int(seed)}) or {}
-        reached = int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
+        reached = step_of_directory(latest) if latest is not None else 0
         found[run_status(d).state == "running"].append(f"{name} seed {seed} at step {reached} of "
                                                       f"{config.get('steps', '?')}")
     return found

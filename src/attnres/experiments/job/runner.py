@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...checkpoint.locate import holds_hf_model, newest_state, training_output
+from ...checkpoint.manifest import step_of_directory
 from ...data import corpus_fingerprint, load_corpus, prepare_data
 from ...distributed.launch import training_device
 from ...migrations import FLAT_RESIDUAL_KEYS, stored_config
@@ -540,7 +541,7 @@ def _trained_steps(config: TrainConfig) -> int:
     """The steps a run has trained so far: its latest checkpoint's (0 without one; one a kill
     left moved aside counts: the run's next start renames it back)."""
     latest = latest_checkpoint(config.out_dir, replaced=True)
-    return 0 if latest is None else int(latest.name.rsplit("-", 1)[1])
+    return 0 if latest is None else step_of_directory(latest)
 
 
 class _Pace:
