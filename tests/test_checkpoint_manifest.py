@@ -430,3 +430,17 @@ def test_readers_see_a_step_moved_aside_by_a_kill_and_write_nothing(tmp_path, mo
         warnings.simplefilter("ignore")
         remove_partial_checkpoints(run)
     assert latest_checkpoint(run, replaced=True) == latest_checkpoint(run) == run / "checkpoints" / "step-00000002"
+
+
+def test_write_checkpoint_names_a_state_json_cannot_hold_before_anything_is_written(tmp_path):
+    """``write_checkpoint``'s ``state`` (what it adds to ``state.json``) that JSON cannot hold
+    failed at the end with json's bare TypeError, after the weights and the optimiser's state
+    had been written; it is named before anything is, as ``save_sharded`` names it."""
+    model = nn.Linear(3, 2)
+    out = tmp_path / "run"
+    with pytest.raises(TypeError) as raised:
+        write_checkpoint(out, 1, model.state_dict(), torch.optim.AdamW(model.parameters()).state_dict(),
+                         {"tokens_seen": 3, "sampler": {"seed": object()}}, keep=1)
+    assert str(raised.value).startswith("write_checkpoint: run_state['sampler']['seed'] cannot be written to "
+                                        "state.json"), raised.value
+    assert not out.exists()

@@ -39,6 +39,7 @@ from .manifest import (
     publish_checkpoint,
     read_checkpoint_state,
     rng_state,
+    run_state_problem,
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
@@ -118,6 +119,11 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     so that a checkpoint loads alike wherever the loading model is compiled."""
     check_sizes("write_checkpoint", keep=keep)  # (0 kept every checkpoint, -1 deleted the oldest: by accident)
     extra = check_extra_files(files, {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE}, "write_checkpoint")
+    # (a state JSON cannot hold failed at the end, in json's bare TypeError, after the weights and the
+    # optimiser's state were written: named before anything is, as save_sharded names it)
+    problem = run_state_problem(state, "write_checkpoint")
+    if problem is not None:
+        raise problem
     model_state = by_own_names(model_state, "write_checkpoint")
     final = checkpoint_path(out_dir, step)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
