@@ -323,11 +323,7 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
     reader = _reader(path)
     stored = reader.read_metadata().state_dict_metadata
-    if optimizer is not None and not any(key.startswith("optim.") for key in stored):
-        # (written before the optimiser's first step: no state of it to load, where each of its
-        # entries was asked for - 'Missing key optim.<name>.exp_avg' - and the optimiser stays fresh)
-        optimizer = None
-    if optimizer is not None:
+    if optimizer is not None:  # (a checkpoint written before the optimiser's first step holds none: all fresh)
         init_optimizer_state(params, optimizer)
         _leave_fresh_where_none_was_saved(params, optimizer, stored)
     sd = _as_stored(_state_dict(params, optimizer), stored)
