@@ -444,3 +444,35 @@ def test_write_checkpoint_names_a_state_json_cannot_hold_before_anything_is_writ
     assert str(raised.value).startswith("write_checkpoint: run_state['sampler']['seed'] cannot be written to "
                                         "state.json"), raised.value
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_step_written_again_whose_rename_fails_is_kept_where_it_was(tmp_path, monkeypatch, sharded):
+    """Writing a step the run holds already moves the old checkpoint aside (``.old-step-*``)
+    before renaming the new one in. Where that rename failed (an I/O error), the writers raised
+    "the checkpoints written before it are untouched" with the old one still aside: the
+    writers' listing (the rotation, a new run's 'already holds checkpoints') and the step named
+    by its directory (``load_checkpoint(run/checkpoints/step-00000002)``) did not see it until
+    the trainer's next start. It is renamed back before the error is raised."""
+    import os
+
+    from attnres.checkpoint import CheckpointWriteError, checkpoint_dirs, manifest
+
+    _written(tmp_path, 1, keep=2, sharded=sharded)
+    old = read_checkpoint_state(_written(tmp_path, 2, keep=2, sharded=sharded))["files"]
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(5, "Input/output error", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    with pytest.raises(CheckpointWriteError, match="could not write checkpoint step-00000002 .*Input/output error.* "
+                                                   "the checkpoints written before it are untouched"):
+        _written(tmp_path, 2, keep=2, sharded=sharded)
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert [p.name for p in checkpoint_dirs(run)] == ["step-00000001", "step-00000002"]
+    assert read_checkpoint_state(run / "checkpoints" / "step-00000002")["files"] == old

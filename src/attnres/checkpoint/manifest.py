@@ -263,7 +263,7 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     the state file ``{**head, "files": ..., **tail}``, flush every file to the disk, move
     ``tmp`` to ``final`` in one rename (flushed too; a ``final`` there already is moved aside
     to ``.old-<name>`` first, which :func:`remove_partial_checkpoints` renames back after a
-    kill between the two), and keep only the newest ``keep``
+    kill between the two, and this function where the second fails), and keep only the newest ``keep``
     checkpoints of ``out_dir`` up to ``final``'s step (a newer one, of another trajectory, is
     left; it deleted ``final`` itself)."""
     honour_umask(p for p in tmp.rglob("*.safetensors") if p.is_file())
@@ -282,13 +282,27 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)  # (one left over is older than final)
         os.replace(final, aside)
-    os.replace(tmp, final)
+    _rename_in(tmp, final, aside)
     _fsync(final.parent)  # (the rename, before the rotation deletes what came before it)
     shutil.rmtree(aside, ignore_errors=True)
     step = step_of_directory(final)
     for old in [p for p in checkpoint_dirs(out_dir) if step_of_directory(p) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     _warn_of_newer(final, out_dir, step)
+
+
+def _rename_in(tmp: Path, final: Path, aside: Path) -> None:
+    """Rename ``tmp`` to ``final``; where that fails (an I/O error), the checkpoint of the same
+    step moved ``aside`` before it is renamed back: the writers' error says the checkpoints
+    written before are untouched, and that step was left as ``.old-step-*``, which the
+    writers' listing (the rotation, a new run's check) and a checkpoint named by its step do
+    not see until the trainer's next start. (A kill is undone there.)"""
+    try:
+        os.replace(tmp, final)
+    except Exception:
+        if aside.is_dir() and not final.exists():
+            os.replace(aside, final)
+        raise
 
 
 def _warn_of_newer(final: Path, out_dir: str | Path, step: int) -> None:
