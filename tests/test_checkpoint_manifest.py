@@ -476,3 +476,39 @@ def test_a_step_written_again_whose_rename_fails_is_kept_where_it_was(tmp_path, 
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
     assert [p.name for p in checkpoint_dirs(run)] == ["step-00000001", "step-00000002"]
     assert read_checkpoint_state(run / "checkpoints" / "step-00000002")["files"] == old
+
+
+def test_a_step_moved_aside_by_a_kill_and_named_by_its_directory_says_where_it_is(tmp_path, monkeypatch):
+    """After a kill between ``publish_checkpoint``'s two renames, the readers given the run
+    directory read the step where it is (``.old-step-*``), but given the step's own directory
+    (``attnres generate RUN/checkpoints/step-00000002``, ``load_checkpoint``) they said it "does
+    not exist; its run's checkpoints: step-00000001" - the step before it as the run's newest.
+    The error names where it is, which loads, and writes nothing."""
+    import os
+
+    from attnres.checkpoint import find_valid_checkpoint, manifest
+
+    _written(tmp_path, 1, keep=2)
+    _written(tmp_path, 2, keep=2)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise KeyboardInterrupt  # (a kill: the run's next start restores the step)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        _written(tmp_path, 2, keep=2)
+    monkeypatch.undo()
+    folder = tmp_path / "run" / "checkpoints"
+    listing = sorted(p.name for p in folder.iterdir())
+    aside = folder / ".old-step-00000002"
+    for read in (read_checkpoint_state, find_valid_checkpoint):
+        with pytest.raises(CheckpointError, match=rf"checkpoint '.*step-00000002' does not exist: a run killed while "
+                                                  rf"writing that step again left it moved aside as \.old-step-00000002, "
+                                                  rf"which the run's next start renames back; name "
+                                                  rf"{re.escape(repr(str(aside)))}, or the run directory"):
+            read(folder / "step-00000002")
+    assert find_valid_checkpoint(aside).step == 2
+    assert sorted(p.name for p in folder.iterdir()) == listing  # (read, not restored)

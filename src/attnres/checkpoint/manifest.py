@@ -356,6 +356,21 @@ def _check_listing(path: Path, doc: dict[str, Any]) -> None:
                               f"{unlisted}, which loading reads (every file it reads must be listed with its SHA-256)")
 
 
+def _what_is_there(path: Path) -> str:
+    """What a missing checkpoint ``path``'s message adds: where a kill left it moved aside
+    (:func:`publish_checkpoint` writing its step again: the run-directory readers take it from
+    there; named by its step, it was "does not exist", with the step before it as the run's
+    newest), else the checkpoints its run holds (a step the run never checkpointed,
+    ``--resume-from runs/x/checkpoints/step-00001000``: which ones it did)."""
+    aside = _replaced(path)
+    if aside.is_dir():
+        return (f": a run killed while writing that step again left it moved aside as {aside.name}, which the run's "
+                f"next start renames back; name {str(aside)!r}, or the run directory (its newest checkpoint, read "
+                "where it is)")
+    there = checkpoint_dirs(path.parent.parent, replaced=True) if path.parent.name == "checkpoints" else []
+    return f"; its run's checkpoints: {', '.join(p.name for p in there[-5:])}" if there else ""
+
+
 def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """``state.json`` of a checkpoint after verifying it (its own hash, its step against the
     directory's name) and every file it lists (size and SHA-256) but those of ``optional`` that
@@ -363,10 +378,7 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
     Raises :class:`CheckpointError` naming the problem."""
     path = Path(path)
     if not path.is_dir():
-        # (a step a run never checkpointed, --resume-from runs/x/checkpoints/step-00001000: which ones it did)
-        there = checkpoint_dirs(path.parent.parent) if path.parent.name == "checkpoints" else []
-        held = f"; its run's checkpoints: {', '.join(p.name for p in there[-5:])}" if there else ""
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist{held}")
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist{_what_is_there(path)}")
     try:
         doc = json.loads((path / STATE_FILE).read_text())
     except FileNotFoundError:
