@@ -512,3 +512,35 @@ def test_a_step_moved_aside_by_a_kill_and_named_by_its_directory_says_where_it_i
             read(folder / "step-00000002")
     assert find_valid_checkpoint(aside).step == 2
     assert sorted(p.name for p in folder.iterdir()) == listing  # (read, not restored)
+
+
+def test_a_step_that_cannot_be_renamed_back_either_is_restored_at_the_next_start(tmp_path, monkeypatch):
+    """Where renaming the old checkpoint back fails too (the disk gone read-only), the error
+    says the first failure (the rename of the new one), and the run's next start restores the
+    step (:func:`remove_partial_checkpoints`)."""
+    import os
+    import warnings
+
+    from attnres.checkpoint import CheckpointWriteError, checkpoint_dirs, manifest, remove_partial_checkpoints
+
+    _written(tmp_path, 1, keep=2)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(5, "Input/output error", str(dst))
+        if Path(src).name.startswith(".old-"):
+            raise OSError(30, "Read-only file system", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    with pytest.raises(CheckpointWriteError, match=r"Input/output error"):
+        _written(tmp_path, 1, keep=2)
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint_dirs(run, replaced=True)] == [".old-step-00000001"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (restored step-00000001: said)
+        remove_partial_checkpoints(run)
+    assert [p.name for p in checkpoint_dirs(run)] == ["step-00000001"]
+    assert read_checkpoint_state(run / "checkpoints" / "step-00000001")["step"] == 1

@@ -15,6 +15,7 @@ edited checkpoint is reported clearly instead of being resumed from.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -301,7 +302,8 @@ def _rename_in(tmp: Path, final: Path, aside: Path) -> None:
         os.replace(tmp, final)
     except Exception:
         if aside.is_dir() and not final.exists():
-            os.replace(aside, final)
+            with contextlib.suppress(OSError):  # (the failure said is the first; the next start restores it)
+                os.replace(aside, final)
         raise
 
 
