@@ -365,7 +365,7 @@ def _what_is_there(path: Path) -> str:
     newest), else the checkpoints its run holds (a step the run never checkpointed,
     ``--resume-from runs/x/checkpoints/step-00001000``: which ones it did)."""
     aside = _replaced(path)
-    if aside.is_dir():
+    if path.name.startswith(PREFIX) and aside.is_dir():
         return (f": a run killed while writing that step again left it moved aside as {aside.name}, which the run's "
                 f"next start renames back; name {str(aside)!r}, or the run directory (its newest checkpoint, read "
                 "where it is)")
