@@ -444,3 +444,103 @@ def test_write_checkpoint_names_a_state_json_cannot_hold_before_anything_is_writ
     assert str(raised.value).startswith("write_checkpoint: run_state['sampler']['seed'] cannot be written to "
                                         "state.json"), raised.value
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_step_written_again_whose_rename_fails_is_kept_where_it_was(tmp_path, monkeypatch, sharded):
+    """Writing a step the run holds already moves the old checkpoint aside (``.old-step-*``)
+    before renaming the new one in. Where that rename failed (an I/O error), the writers raised
+    "the checkpoints written before it are untouched" with the old one still aside: the
+    writers' listing (the rotation, a new run's 'already holds checkpoints') and the step named
+    by its directory (``load_checkpoint(run/checkpoints/step-00000002)``) did not see it until
+    the trainer's next start. It is renamed back before the error is raised."""
+    import os
+
+    from attnres.checkpoint import CheckpointWriteError, checkpoint_dirs, manifest
+
+    _written(tmp_path, 1, keep=2, sharded=sharded)
+    old = read_checkpoint_state(_written(tmp_path, 2, keep=2, sharded=sharded))["files"]
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(5, "Input/output error", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    with pytest.raises(CheckpointWriteError, match="could not write checkpoint step-00000002 .*Input/output error.* "
+                                                   "the checkpoints written before it are untouched"):
+        _written(tmp_path, 2, keep=2, sharded=sharded)
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert [p.name for p in checkpoint_dirs(run)] == ["step-00000001", "step-00000002"]
+    assert read_checkpoint_state(run / "checkpoints" / "step-00000002")["files"] == old
+
+
+def test_a_step_moved_aside_by_a_kill_and_named_by_its_directory_says_where_it_is(tmp_path, monkeypatch):
+    """After a kill between ``publish_checkpoint``'s two renames, the readers given the run
+    directory read the step where it is (``.old-step-*``), but given the step's own directory
+    (``attnres generate RUN/checkpoints/step-00000002``, ``load_checkpoint``) they said it "does
+    not exist; its run's checkpoints: step-00000001" - the step before it as the run's newest.
+    The error names where it is, which loads, and writes nothing."""
+    import os
+
+    from attnres.checkpoint import find_valid_checkpoint, manifest
+
+    _written(tmp_path, 1, keep=2)
+    _written(tmp_path, 2, keep=2)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise KeyboardInterrupt  # (a kill: the run's next start restores the step)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        _written(tmp_path, 2, keep=2)
+    monkeypatch.undo()
+    folder = tmp_path / "run" / "checkpoints"
+    listing = sorted(p.name for p in folder.iterdir())
+    aside = folder / ".old-step-00000002"
+    for read in (read_checkpoint_state, find_valid_checkpoint):
+        with pytest.raises(CheckpointError, match=rf"checkpoint '.*step-00000002' does not exist: a run killed while "
+                                                  rf"writing that step again left it moved aside as \.old-step-00000002, "
+                                                  rf"which the run's next start renames back; name "
+                                                  rf"{re.escape(repr(str(aside)))}, or the run directory"):
+            read(folder / "step-00000002")
+    assert find_valid_checkpoint(aside).step == 2
+    assert sorted(p.name for p in folder.iterdir()) == listing  # (read, not restored)
+
+
+def test_a_step_that_cannot_be_renamed_back_either_is_restored_at_the_next_start(tmp_path, monkeypatch):
+    """Where renaming the old checkpoint back fails too (the disk gone read-only), the error
+    says the first failure (the rename of the new one), and the run's next start restores the
+    step (:func:`remove_partial_checkpoints`)."""
+    import os
+    import warnings
+
+    from attnres.checkpoint import CheckpointWriteError, checkpoint_dirs, manifest, remove_partial_checkpoints
+
+    _written(tmp_path, 1, keep=2)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(5, "Input/output error", str(dst))
+        if Path(src).name.startswith(".old-"):
+            raise OSError(30, "Read-only file system", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", replace)
+    with pytest.raises(CheckpointWriteError, match=r"Input/output error"):
+        _written(tmp_path, 1, keep=2)
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint_dirs(run, replaced=True)] == [".old-step-00000001"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (restored step-00000001: said)
+        remove_partial_checkpoints(run)
+    assert [p.name for p in checkpoint_dirs(run)] == ["step-00000001"]
+    assert read_checkpoint_state(run / "checkpoints" / "step-00000001")["step"] == 1

@@ -15,6 +15,7 @@ edited checkpoint is reported clearly instead of being resumed from.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -263,7 +264,7 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     the state file ``{**head, "files": ..., **tail}``, flush every file to the disk, move
     ``tmp`` to ``final`` in one rename (flushed too; a ``final`` there already is moved aside
     to ``.old-<name>`` first, which :func:`remove_partial_checkpoints` renames back after a
-    kill between the two), and keep only the newest ``keep``
+    kill between the two, and this function where the second fails), and keep only the newest ``keep``
     checkpoints of ``out_dir`` up to ``final``'s step (a newer one, of another trajectory, is
     left; it deleted ``final`` itself)."""
     honour_umask(p for p in tmp.rglob("*.safetensors") if p.is_file())
@@ -282,13 +283,28 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)  # (one left over is older than final)
         os.replace(final, aside)
-    os.replace(tmp, final)
+    _rename_in(tmp, final, aside)
     _fsync(final.parent)  # (the rename, before the rotation deletes what came before it)
     shutil.rmtree(aside, ignore_errors=True)
     step = step_of_directory(final)
     for old in [p for p in checkpoint_dirs(out_dir) if step_of_directory(p) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     _warn_of_newer(final, out_dir, step)
+
+
+def _rename_in(tmp: Path, final: Path, aside: Path) -> None:
+    """Rename ``tmp`` to ``final``; where that fails (an I/O error), the checkpoint of the same
+    step moved ``aside`` before it is renamed back: the writers' error says the checkpoints
+    written before are untouched, and that step was left as ``.old-step-*``, which the
+    writers' listing (the rotation, a new run's check) and a checkpoint named by its step do
+    not see until the trainer's next start. (A kill is undone there.)"""
+    try:
+        os.replace(tmp, final)
+    except Exception:
+        if aside.is_dir() and not final.exists():
+            with contextlib.suppress(OSError):  # (the failure said is the first; the next start restores it)
+                os.replace(aside, final)
+        raise
 
 
 def _warn_of_newer(final: Path, out_dir: str | Path, step: int) -> None:
@@ -342,6 +358,21 @@ def _check_listing(path: Path, doc: dict[str, Any]) -> None:
                               f"{unlisted}, which loading reads (every file it reads must be listed with its SHA-256)")
 
 
+def _what_is_there(path: Path) -> str:
+    """What a missing checkpoint ``path``'s message adds: where a kill left it moved aside
+    (:func:`publish_checkpoint` writing its step again: the run-directory readers take it from
+    there; named by its step, it was "does not exist", with the step before it as the run's
+    newest), else the checkpoints its run holds (a step the run never checkpointed,
+    ``--resume-from runs/x/checkpoints/step-00001000``: which ones it did)."""
+    aside = _replaced(path)
+    if path.name.startswith(PREFIX) and aside.is_dir():
+        return (f": a run killed while writing that step again left it moved aside as {aside.name}, which the run's "
+                f"next start renames back; name {str(aside)!r}, or the run directory (its newest checkpoint, read "
+                "where it is)")
+    there = checkpoint_dirs(path.parent.parent, replaced=True) if path.parent.name == "checkpoints" else []
+    return f"; its run's checkpoints: {', '.join(p.name for p in there[-5:])}" if there else ""
+
+
 def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """``state.json`` of a checkpoint after verifying it (its own hash, its step against the
     directory's name) and every file it lists (size and SHA-256) but those of ``optional`` that
@@ -349,10 +380,7 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
     Raises :class:`CheckpointError` naming the problem."""
     path = Path(path)
     if not path.is_dir():
-        # (a step a run never checkpointed, --resume-from runs/x/checkpoints/step-00001000: which ones it did)
-        there = checkpoint_dirs(path.parent.parent) if path.parent.name == "checkpoints" else []
-        held = f"; its run's checkpoints: {', '.join(p.name for p in there[-5:])}" if there else ""
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist{held}")
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist{_what_is_there(path)}")
     try:
         doc = json.loads((path / STATE_FILE).read_text())
     except FileNotFoundError:
