@@ -1085,6 +1085,7 @@ def compiled_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict
             seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
                 clock, group, targets, seconds, lambda name: "standard", z.repeats)))
             result["ms"] = {k: t * 1e3 for k, t in seconds.items()}
+            clock.measured(result)  # (the timings, before the profile's steps: a kill there keeps them)
             # (where a compiled step's device time goes: one more step each, already compiled)
             result["profile"].update(kept_unless_lost(clock, errors, "profile", lambda: {
                 name: profiled(group[name], device, PROFILE_TOP) for name in PROFILED if name in group}) or {})
