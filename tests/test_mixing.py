@@ -883,6 +883,42 @@ def test_analyze_compare_of_models_of_different_depth_says_why_there_is_no_diffe
     assert "- Rank: A " in comparison and "- Sinks: A " in comparison and "[" not in comparison
 
 
+def test_analyze_compare_draws_both_models_on_one_colour_scale(tmp_path, monkeypatch):
+    """``attnres analyze A --compare B`` coloured A's and B's panels each on its own scale: one
+    colour was two weights, and two models' matrices looked alike whatever their difference.
+    Both now share one norm and one colour bar; the difference A - B keeps its own diverging
+    scale (centred on 0) and colour bar."""
+    pytest.importorskip("yaml")
+    pytest.importorskip("matplotlib")
+    import numpy as np
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.experiments.job import analyze
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    for name, residual in (("block", "attnres_block"), ("full", "attnres_full")):
+        train(load_config(None, overrides(corpus, tmp_path / name, steps=1, warmup_steps=0, eval_every=100,
+                                          diagnostics_every=100, **{"model.residual": residual})))
+    drawn = []
+    plot = analyze.plot_mixing_panels
+    monkeypatch.setattr(analyze, "plot_mixing_panels", lambda *a, **k: drawn.append(plot(*a, **k)) or drawn[-1])
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", str(tmp_path / "block"), "--compare", str(tmp_path / "full"), "--out", str(out),
+                     "--text", str(corpus), "--seq-len", "16", "--rows", "2"]) == 0
+    (fig,) = drawn
+    a, b, diff = (ax.images[0] for ax in fig.axes if ax.images)
+    assert a.norm is b.norm and diff.norm is not a.norm
+    values = [x for im in (a, b) for x in np.asarray(im.get_array(), dtype=float).ravel() if np.isfinite(x)]
+    assert (a.norm.vmin, a.norm.vmax) == pytest.approx((min(values), max(values)))
+    assert diff.norm.vmin == -diff.norm.vmax
+    assert len(fig.axes) == 5  # three panels, one colour bar for A and B, one for A - B
+    assert (out / "mixing.png").stat().st_size > 0
+    single = analyze.plot_mixing_panels([("M", torch.eye(3), None), ("N", 2 * torch.eye(3), None)])
+    assert single.axes[0].images[0].norm is not single.axes[1].images[0].norm  # (own scales, unless asked)
+
+
 def test_analyze_compare_of_a_model_with_itself_is_refused(tmp_path, capsys):
     """``attnres analyze A --compare A`` ran both analyses and wrote a report of a zero
     difference without a word. The same model - named as the run, its checkpoints folder or its

@@ -81,7 +81,9 @@ def test_holm_adjusts_step_down_and_keeps_missing_values():
     assert holm([0.5, 0.9]) == [1.0, 1.0] and holm([]) == []
 
 
-def test_ablation_differences_pool_the_seed_variance_and_adjust_for_every_variant():
+def test_ablation_differences_without_a_shared_seed_pool_the_seed_variance_and_adjust_for_every_variant():
+    """Runs that share no seed with the baseline (records without one here) cannot be paired:
+    difference of the means, the seed sd pooled over every variant, each cell saying so."""
     from attnres.experiments.job.report import baseline_differences
 
     losses = {"baseline": [5.0, 5.02], "a": [4.9, 4.92], "b": [5.01, 4.99], "c": [5.3, 5.32]}
@@ -91,8 +93,48 @@ def test_ablation_differences_pool_the_seed_variance_and_adjust_for_every_varian
     sd, df = pooled_sd(losses.values())
     d = mean_difference(losses["a"], losses["baseline"], sd, df)
     adjusted = holm([mean_difference(losses[v], losses["baseline"], sd, df).p_value for v in "abc"])
-    assert cells["a"] == f"{d.text('+.4f')} (p = {d.p_value:.2g}; Holm {adjusted[0]:.2g})"
+    assert cells["a"] == f"{d.text('+.4f')} (unpaired; p = {d.p_value:.2g}; Holm {adjusted[0]:.2g})"
+    assert "unpaired (a, b, c: no seed in common with the baseline)" in note and "paired:" not in note
     assert baseline_differences([r for r in records if r["variant"] != "baseline"]) == ({}, "")
+
+
+def _seeded(losses: dict[str, dict[int, float]]) -> list[dict]:
+    return [{"variant": v, "seed": seed, "val_loss": x, "family": v, "coords": {}, "params": 10, "residual_params": 0}
+            for v, by_seed in losses.items() for seed, x in by_seed.items()]
+
+
+def test_ablation_differences_pair_the_runs_of_a_seed_as_compare_does():
+    """The ablation and block-size tables took every Δ from unpaired means with a pooled sd,
+    where `attnres compare` pairs the runs of a seed (the same batches and initial draws).
+    Where a variant ran the baseline's seeds, Δ is the mean of the per-seed differences with
+    its sd from those differences, over the seeds both ran; unpaired only where no seed is
+    shared; the cells and the note say which."""
+    from attnres.experiments.job.report import _ablation_md, baseline_differences, summarize
+
+    losses = {"baseline": {0: 5.00, 1: 5.10, 2: 4.95}, "a": {0: 4.96, 1: 5.05, 2: 4.92},
+              "b": {0: 5.02, 1: 5.08}, "c": {7: 4.90, 8: 4.97}}
+    records = _seeded(losses)
+    cells, note = baseline_differences(records)
+    diffs = {v: [x - losses["baseline"][s] for s, x in losses[v].items()] for v in "ab"}
+    t = {v: t_interval(d) for v, d in diffs.items()}
+    sd, df = pooled_sd([list(by_seed.values()) for by_seed in losses.values()])
+    u = mean_difference(list(losses["c"].values()), list(losses["baseline"].values()), sd, df)
+    adjusted = holm([t["a"].p_value, t["b"].p_value, u.p_value])
+    assert cells["a"] == f"{t['a'].text('+.4f')} (paired, n=3; p = {t['a'].p_value:.2g}; Holm {adjusted[0]:.2g})"
+    assert cells["b"] == f"{t['b'].text('+.4f')} (paired, n=2; p = {t['b'].p_value:.2g}; Holm {adjusted[1]:.2g})"
+    assert cells["c"] == f"{u.text('+.4f')} (unpaired; p = {u.p_value:.2g}; Holm {adjusted[2]:.2g})"
+    # the shared seed effect (seed 1 harder for every model) is left out of the paired interval
+    assert t["a"].high < 0 and t["a"].high - t["a"].low < 0.05
+    assert "paired: the variant's run minus the baseline's run of the same seed" in note
+    assert f"unpaired (c: no seed in common with the baseline): difference of the mean losses" in note
+    assert f"({sd:.4f} on {df} degrees of freedom)" in note and "3 variants" in note
+    table = _ablation_md(summarize(records), records)
+    assert cells["a"] in table and cells["c"] in table and note in table
+    # every variant paired: no pooled sd is named
+    cells, note = baseline_differences(_seeded({v: losses[v] for v in ("baseline", "a")}))
+    assert "(paired, n=3;" in cells["a"] and "unpaired" not in note and "pooled" not in note
+    # one seed each: no spread to give an interval from, as before
+    assert baseline_differences(_seeded({"baseline": {0: 5.0}, "a": {0: 4.9}})) == ({}, "")
 
 
 def test_compare_findings_say_when_the_interval_includes_zero():

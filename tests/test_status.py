@@ -67,7 +67,7 @@ def test_the_command_prints_a_line_per_run(runs, capsys):
     assert cli_main(["status", str(runs)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["run", "model", "step", "train", "loss", "val", "loss", "(at", "step)", "tok/s",
-                                "checkpoint", "state"]
+                                "(last", "1", "step)", "checkpoint", "state"]  # (log_every 1)
     # (S: a block-size sweep's runs, or runs/block4 beside runs/block8, read alike without it)
     assert len(lines) == 5 and "attnres_block S=2, 2 layers, d 64" in lines[1] and " 6/6 " in lines[1]
     assert "standard, 2 layers" in lines[2]
@@ -82,6 +82,37 @@ def test_the_command_prints_a_line_per_run(runs, capsys):
     assert "no training runs under" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="attnres status: error: no such folder: '.*nowhere'"):
         cli_main(["status", str(runs / "nowhere")])
+
+
+def _logged_run(path: Path, train_steps: list[int]) -> Path:
+    """A run directory as far as status reads it: config.json and train records at ``train_steps``."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model": {"residual": "standard"}, "steps": 100}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 5.0, "tokens": 64 * s,
+                                                            "tokens_per_s": 1000.0 * s}) + "\n" for s in train_steps))
+    return path
+
+
+def test_tokens_per_s_is_labelled_with_the_steps_of_its_last_logging_window(tmp_path, capsys):
+    """The table's "tok/s" was the last logging window's rate alone (a run slowed down by another
+    job read as slow throughout, a window of 5 steps beside one of 100 read alike), unlabelled:
+    read as the run's mean. The header names the window's steps where every run's is as long,
+    each cell otherwise; --json gives tokens_per_s_steps. A step a resume logged again (after
+    a kill past its checkpoint) does not shorten the window to 0."""
+    _logged_run(tmp_path / "a", [10, 20, 30])
+    _logged_run(tmp_path / "b", [10, 20, 30, 20, 30])  # (resumed at 10 after a kill at 35)
+    assert run_status(tmp_path / "b").tokens_per_s_steps == 10
+    assert cli_main(["status", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "tok/s (last 10 steps)" in lines[0] and "  30,000  " in lines[1] and "(10 steps)" not in lines[1]
+    _logged_run(tmp_path / "c", [10, 20, 25])  # (its last step, 25: a window of 5)
+    _logged_run(tmp_path / "d", [1])
+    assert cli_main(["status", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "tok/s (last window)" in lines[0] and "30,000 (10 steps)" in lines[1] and "25,000 (5 steps)" in lines[3]
+    assert "1,000 (1 step)" in lines[4]
+    assert cli_main(["status", str(tmp_path / "c"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_per_s_steps"] == 5
 
 
 def test_a_run_named_twice_by_different_paths_is_one_run(runs, capsys, monkeypatch, tmp_path):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..output_paths import save_figure_atomically
@@ -113,28 +114,30 @@ def _label(i: int, n: int) -> str:
 
 
 def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | None]], path: str | Path | None = None,
-                       diff: tuple[str, torch.Tensor] | None = None) -> Figure:
+                       diff: tuple[str, torch.Tensor] | None = None, one_scale: bool = False) -> Figure:
     """One Fig.-9-style panel per ``(title, M [L+1, L+1], source_groups)``: ``M`` on and below
-    the diagonal, blank above, each panel on its own colour scale; block boundaries drawn
-    for variants with source groups. ``diff``: a last panel ``(title, A - B)`` on a diverging
-    scale centred on 0. Returns the matplotlib ``Figure``, also written to ``path`` when given;
-    drawn without pyplot (matplotlib's backend and pyplot's figures are left as they are)."""
-    import numpy as np
+    the diagonal, blank above, each panel on its own colour scale, or with ``one_scale`` all of
+    them on one (one norm, one colour bar: ``attnres analyze --compare``, where one colour on
+    two scales was two weights and the panels looked alike whatever their difference); block
+    boundaries drawn for variants with source groups. ``diff``: a last panel ``(title, A - B)``
+    on a diverging scale centred on 0, its own. Returns the matplotlib ``Figure``, also written
+    to ``path`` when given; drawn without pyplot (matplotlib's backend and pyplot's figures are
+    left as they are)."""
     from matplotlib.figure import Figure
 
-    items = list(panels) + ([(diff[0], diff[1], None)] if diff is not None else [])
-    fig = Figure(figsize=(4.2 * len(items), 4.0))
+    items = [(title, _lower_triangle(M), groups) for title, M, groups in panels]
+    items += [(diff[0], _lower_triangle(diff[1]), None)] if diff is not None else []
+    shared = _shared_norm([A for _, A, _ in items[: len(panels)]]) if one_scale else None
+    # (a colour bar beside two panels: constrained layout places it, tight_layout cannot)
+    fig = Figure(figsize=(4.2 * len(items), 4.0), layout="constrained" if shared else None)
     axes = fig.subplots(1, len(items), squeeze=False)
-    for k, (ax, (title, M, groups)) in enumerate(zip(axes[0], items)):
-        A = M.detach().double().cpu().numpy().copy()
+    for k, (ax, (title, A, groups)) in enumerate(zip(axes[0], items)):
         n = A.shape[0]
-        A[np.triu_indices(n, 1)] = np.nan
-        is_diff = diff is not None and k == len(items) - 1
-        if is_diff:
+        if diff is not None and k == len(items) - 1:
             lim = float(np.nanmax(np.abs(A))) or 1.0
             im = ax.imshow(A, cmap="RdBu_r", vmin=-lim, vmax=lim)
         else:
-            im = ax.imshow(A, cmap="viridis")
+            im = ax.imshow(A, cmap="viridis", norm=shared)  # (None: the panel's own scale)
         for g in groups or []:
             if g.start > 0:
                 ax.axvline(g.start - 0.5, color="white", lw=0.6)
@@ -146,11 +149,30 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
         ax.set_xlabel("source")
         ax.set_ylabel("sublayer (last row: output)")
         ax.set_title(title, fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.tight_layout()
+        if shared is None or k >= len(panels):
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        elif k == len(panels) - 1:  # one colour bar for the panels on the one scale
+            fig.colorbar(im, ax=list(axes[0][: len(panels)]), fraction=0.046 / len(panels), pad=0.04)
+    if shared is None:
+        fig.tight_layout()
     if path is not None:
         save_figure_atomically(fig, path, "the mixing figure", dpi=120)
     return fig
+
+
+def _lower_triangle(M: torch.Tensor) -> np.ndarray:
+    """``M`` as float64 numpy, blank (NaN) above the diagonal, where no sublayer reads a source."""
+    A = M.detach().double().cpu().numpy().copy()
+    A[np.triu_indices(A.shape[0], 1)] = np.nan
+    return A
+
+
+def _shared_norm(matrices: list[np.ndarray]):
+    """One ``Normalize`` over the finite entries of every one of ``matrices``."""
+    from matplotlib.colors import Normalize
+
+    values = np.concatenate([A[np.isfinite(A)] for A in matrices])
+    return Normalize(float(values.min()), float(values.max())) if values.size else Normalize()
 
 
 def _over(results: Sequence[DepthMixing]) -> str:

@@ -9,7 +9,7 @@ def add_parser(sub) -> None:
                         description="Find the training runs at or under each DIR (a run or one of its checkpoints, "
                         "a grid's --out, a folder of runs; default runs/) and print one line each: the residual and "
                         "size, the step reached of the run's steps, the latest train and validation losses, "
-                        "tokens/s, the newest checkpoint, and whether a process is training it now (its run.lock). Reads only.")
+                        "tokens/s of the last logging window (its steps named), the newest checkpoint, and whether a process is training it now (its run.lock). Reads only.")
     st.add_argument("dirs", nargs="*", default=["runs"], metavar="DIR", help="folders to look in (default: runs)")
     st.add_argument("--json", action="store_true", help="one JSON object per run, one per line (strict JSON: a value that is not a "
                     "finite number, such as a NaN loss, is null)")
@@ -112,9 +112,10 @@ def _launch_command(run: str) -> str:
 
 def render(runs) -> str:
     """The runs as an aligned table."""
-    header = ("run", "model", "step", "train loss", "val loss (at step)", "tok/s", "checkpoint", "state")
+    speed, speeds = _tokens_per_s_column(runs)
+    header = ("run", "model", "step", "train loss", "val loss (at step)", speed, "checkpoint", "state")
     rows = [header]
-    for s in runs:
+    for s, tokens_per_s in zip(runs, speeds):
         # (S: the runs of a block-size sweep, or runs/block4 beside runs/block8, read alike without it)
         residual = (s.residual or "?") + (f" S={s.block_size}" if s.block_size else "")
         model = ", ".join(x for x in (residual, f"{s.n_layers} layers" if s.n_layers else "",
@@ -122,12 +123,31 @@ def render(runs) -> str:
         rows.append((
             s.path, model, f"{s.step}/{s.steps if s.steps is not None else '?'}",
             _number(s.train_loss), f"{_number(s.val_loss)} ({s.val_step})" if s.val_loss is not None else "-",
-            f"{s.tokens_per_s:,.0f}" if s.tokens_per_s is not None else "-",
+            tokens_per_s,
             f"step {s.checkpoint_step}" if s.checkpoint_step is not None else "-",
             s.state + (f" ({s.holder})" if s.holder else ""),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _tokens_per_s_column(runs):
+    """The tokens/s column's header and cells: each run's last logging window, which the header
+    names with its steps where every run's window is as long (``tok/s (last 10 steps)``), each
+    cell otherwise (a lone ``tok/s`` read as the run's mean, or as the same window for all)."""
+    spans = {s.tokens_per_s_steps for s in runs if s.tokens_per_s is not None}
+    one = next(iter(spans)) if len(spans) == 1 else None
+
+    def cell(s) -> str:
+        if s.tokens_per_s is None:
+            return "-"
+        return f"{s.tokens_per_s:,.0f}" + ("" if one is not None else f" ({_steps(s.tokens_per_s_steps)})")
+    header = f"tok/s (last {_steps(one)})" if one is not None else "tok/s (last window)"
+    return header, [cell(s) for s in runs]
+
+
+def _steps(n: int | None) -> str:
+    return "? steps" if n is None else f"{n} step" + ("" if n == 1 else "s")
 
 
 def _number(value: float | None) -> str:

@@ -34,7 +34,9 @@ _INSIDE_A_RUN = {"checkpoints", "tensorboard", "wandb", "analysis"}
 class RunStatus:
     """One run: its model (``residual`` kind, ``n_layers``, ``d_model``), how far it got
     (``step`` of its newest record, of ``steps``), its latest losses (``val_step``: where
-    ``val_loss`` was measured), tokens/s of its last logging window, its newest checkpoint's
+    ``val_loss`` was measured), tokens/s of its last logging window (``tokens_per_s``, over the
+    ``tokens_per_s_steps`` optimiser steps since the record before it: a running run's speed
+    now, not the run's mean), its newest checkpoint's
     step, and ``state``: ``running`` (a live process holds its lock), ``finished`` (a
     checkpoint of its last step; without checkpoints, a record of it), ``diverged`` (its last record: a loss or gradient norm that
     was not finite), ``stopped``, ``not started``, or ``unknown`` (a checkpoint, but no config
@@ -66,6 +68,7 @@ class RunStatus:
     block_size: int | None = None
     data: str | None = None
     data_changes: list[int] = field(default_factory=list)
+    tokens_per_s_steps: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,7 +145,19 @@ def run_status(path: str | Path, warn: bool = False) -> RunStatus:
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
                      state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config),
                      block_size=_block_size(residual, kind, model.get("n_layers")), data=data_fingerprint(newest),
-                     data_changes=sorted({r["step"] for r in records if r["kind"] == DATA_CHANGE}))
+                     data_changes=sorted({r["step"] for r in records if r["kind"] == DATA_CHANGE}),
+                     tokens_per_s_steps=_window_steps(train))
+
+
+def _window_steps(train: list[dict[str, Any]]) -> int | None:
+    """The optimiser steps the last ``train`` record's tokens/s was measured over: from the
+    train record before it (its log_every, or fewer at the run's last step), or from the start
+    where it is the first. A record of a step a resume trained again (logged before a kill,
+    past the checkpoint resumed from) is not the one before it."""
+    if not train:
+        return None
+    last = train[-1]["step"]
+    return last - max((r["step"] for r in train[:-1] if r["step"] < last), default=0)
 
 
 def _block_size(residual: Any, kind: Any, n_layers: Any) -> int | None:

@@ -241,7 +241,7 @@ def _plot_if_possible(panels, path: Path, diff) -> str:
         note = f"mixing.png is not drawn: matplotlib is not installed ({install_command('experiments')})"
         warn_user(f"attnres analyze: {note}; the tables and mixing.json are written")
         return f"*{note}; the matrices are in mixing.json.*"
-    plot_mixing_panels(panels, path, diff)
+    plot_mixing_panels(panels, path, diff, one_scale=len(panels) > 1)  # (A beside B: one colour, one weight)
     return "![depth mixing matrices](mixing.png)"
 
 

@@ -27,7 +27,7 @@ from ...user_warning import warn_user
 from ..layout import RESULT_FILE, data_fingerprint, read_experiment_header, read_overhead, run_dir, saved_config
 from .presets import PRESETS, get_experiment
 from ..grids.scaling_report import scaling_section
-from ..stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
+from ..stats import TInterval, holm, markdown_table, mean_difference, mean_std, pooled_sd, t_interval
 
 #: Table 4 of the report (16-layer model, validation loss), by our variant names.
 REPORT_TABLE4 = {
@@ -128,25 +128,65 @@ def _report_loss_table4(name: str) -> str:
 
 
 def baseline_differences(records: list[dict[str, Any]], baseline: str = "baseline") -> tuple[dict[str, str], str]:
-    """Per variant, its mean loss minus the baseline's with a 95 % Student-t interval from the
-    seed variance pooled over every variant (each variant's seeds share a mean), the p-value
-    and Holm's adjustment over all the variants compared (a grid reads them all at once);
-    and a sentence saying so. Empty without a baseline or a seed spread."""
-    groups: dict[str, list[float]] = {}
+    """Per variant, its loss minus the baseline's with a 95 % Student-t interval, the p-value
+    and Holm's adjustment over all the variants compared (a grid reads them all at once); and
+    a sentence saying how. Empty without a baseline or a spread to give an interval from.
+
+    Paired by seed where the variant ran seeds the baseline ran (as ``attnres compare``): a
+    seed fixes the batches and the initial draws of both runs, so the mean of the per-seed
+    differences, with its sd from those differences, leaves out the seed-to-seed noise they
+    share. Unpaired (difference of the means, the seed sd pooled over every variant, whose
+    seeds share a mean) only where the variant shares no seed with the baseline. Each cell
+    says which it is."""
+    groups: dict[str, list[tuple[Any, float]]] = {}
     for r in records:
-        groups.setdefault(r["variant"], []).append(r["val_loss"])
-    if baseline not in groups or all(len(v) < 2 for v in groups.values()):
+        groups.setdefault(r["variant"], []).append((r.get("seed"), r["val_loss"]))
+    if baseline not in groups:
         return {}, ""
-    sd, df = pooled_sd(groups.values())
-    if sd == 0:
-        return {}, ""
-    diffs = {name: mean_difference(v, groups[baseline], sd, df) for name, v in groups.items() if name != baseline}
-    adjusted = dict(zip(diffs, holm([d.p_value for d in diffs.values()])))
-    cells = {name: f"{d.text('+.4f')} (p = {d.p_value:.2g}; Holm {adjusted[name]:.2g})" for name, d in diffs.items()}
-    note = (f"Δ vs baseline: difference of the mean losses, 95 % Student-t interval from the seed sd pooled over every "
-            f"variant ({sd:.4f} on {df} degrees of freedom), p of the t-test, and Holm's adjustment over the "
-            f"{len(diffs)} variants compared (read a variant as different from the baseline where the adjusted p < 0.05).")
-    return cells, note
+    base = {seed: loss for seed, loss in groups[baseline] if seed is not None}
+    paired = {name: [loss - base[seed] for seed, loss in runs if seed in base]
+              for name, runs in groups.items() if name != baseline}
+    paired = {name: d for name, d in paired.items() if d}
+    unpaired = [name for name in groups if name != baseline and name not in paired]
+    pooled = _pooled_or_none([[loss for _, loss in runs] for runs in groups.values()]) if unpaired else None
+    if not any(len(d) > 1 for d in paired.values()) and pooled is None:
+        return {}, ""  # (no spread anywhere: the tables show the bare difference of the means)
+    diffs: dict[str, tuple[TInterval, str]] = {}
+    for name, runs in groups.items():
+        if name in paired:
+            diffs[name] = t_interval(paired[name]), f"paired, n={len(paired[name])}"
+        elif name != baseline and pooled is not None:
+            losses = [loss for _, loss in runs]
+            diffs[name] = mean_difference(losses, [loss for _, loss in groups[baseline]], *pooled), "unpaired"
+    adjusted = dict(zip(diffs, holm([d.p_value for d, _ in diffs.values()])))
+    cells = {name: f"{d.text('+.4f')} ({how}" + (f"; p = {d.p_value:.2g}; Holm {adjusted[name]:.2g})"
+                                                 if d.p_value is not None else ")")
+             for name, (d, how) in diffs.items()}
+    return cells, _differences_note(paired, unpaired, pooled, len(diffs))
+
+
+def _pooled_or_none(groups: list[list[float]]) -> tuple[float, int] | None:
+    """:func:`pooled_sd` of ``groups``, or ``None`` where it has no spread to give."""
+    if all(len(g) < 2 for g in groups):
+        return None
+    sd, df = pooled_sd(groups)
+    return (sd, df) if sd > 0 else None
+
+
+def _differences_note(paired: dict[str, list[float]], unpaired: list[str], pooled: tuple[float, int] | None,
+                      compared: int) -> str:
+    """The sentence under a table of :func:`baseline_differences`: how each kind of cell was computed."""
+    how = []
+    if paired:
+        how.append("paired: the variant's run minus the baseline's run of the same seed (the same batches and initial "
+                   "draws), mean over the seeds both ran (n) with a 95 % Student-t interval from the sd of those "
+                   "differences (n - 1 degrees of freedom), as `attnres compare` pairs them")
+    if unpaired and pooled is not None:
+        how.append(f"unpaired ({', '.join(unpaired)}: no seed in common with the baseline): difference of the mean "
+                   f"losses, 95 % Student-t interval from the seed sd pooled over every variant ({pooled[0]:.4f} on "
+                   f"{pooled[1]} degrees of freedom)")
+    return (f"Δ vs baseline, {'; '.join(how)}. p of the t-test, and Holm's adjustment over the {compared} variants "
+            "compared (read a variant as different from the baseline where the adjusted p < 0.05).")
 
 
 def _ablation_md(summ: dict[str, Summary], records: list[dict[str, Any]]) -> str:
