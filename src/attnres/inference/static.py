@@ -37,6 +37,14 @@ STATIC_MODES = ("eager", "compiled", "graph")
 TOKEN_DTYPES = (torch.long, torch.int32)
 
 
+def cuda_graphs(device: torch.device) -> bool:
+    """Whether decoding on ``device`` runs CUDA graphs: ``mode="graph"`` captures one there,
+    ``"compiled"`` compiles with ``mode="reduce-overhead"``, and ``decode="auto"`` picks
+    ``"graph"``. One predicate for every such branch, so that the tests drive the graphed path
+    on the CPU (the CUDA calls faked) - no GPU runs the test suite."""
+    return device.type == "cuda"
+
+
 def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
     """One token per sequence, ``tokens [B]`` (int64), through ``model`` (an ``AttnResLM``)
     over ``cache``: the next-token logits ``[B, vocab]`` in float32. Validates nothing and reads nothing back to the host, so that it can be
@@ -121,7 +129,7 @@ class StaticDecoder:
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
             self.cache = StaticKVCache.for_model(model, batch_size, capacity)
         self.device = self.cache.end.device
-        if mode == "graph" and self.device.type != "cuda":
+        if mode == "graph" and not cuda_graphs(self.device):
             raise ValueError(f"mode='graph' captures a CUDA graph: the model is on {self.device}; use 'compiled' or 'eager'")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
         self._tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -129,7 +137,7 @@ class StaticDecoder:
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
                 torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
-            self._compiled = _compiled_step("reduce-overhead" if self.device.type == "cuda" else None)
+            self._compiled = _compiled_step("reduce-overhead" if cuda_graphs(self.device) else None)
             self._run = self._run_compiled
         else:
             self._run = static_decode_step
@@ -203,7 +211,7 @@ class StaticDecoder:
             self._graph.replay()
             return self._logits
         with torch.no_grad():
-            if self.mode == "compiled" and self.device.type == "cuda":
+            if self.mode == "compiled" and cuda_graphs(self.device):
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
             return self._run(self.model, self.cache, tokens)
 

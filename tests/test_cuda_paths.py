@@ -1,0 +1,216 @@
+"""The code paths only CUDA takes, driven on the CPU: no GPU runs this suite.
+
+``decode="graph"`` (and ``"auto"`` on CUDA) captures the eager decode step in a CUDA graph
+and replays it. Here ``attnres.inference.static.cuda_graphs`` says yes on the CPU and the
+CUDA calls are faked (:func:`fake_cuda_graphs`): each fake is bound against the real
+function's signature first (a wrong name or argument fails here as it would on a GPU), and
+the fake graph keeps what a CUDA graph keeps - the operators a capture dispatches, with
+their arguments and results (memory addresses, Python numbers baked in) - restores what the
+capture wrote (a capture runs no kernel), refuses what a capturing stream refuses (a read
+back to the host), and a replay runs those operators again into the same results. So
+``stream`` / ``generate`` over the graphed step run here as they run on a GPU: ragged
+prompts, sampling, stop tokens and stop strings, against the dynamic cache's tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import pytest
+import torch
+from conftest import TRITON_DEVICE, make_model
+from test_static_decode import NOT_CAPTURABLE, ragged_prompts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from attnres.inference import StaticDecoder, generate, prefill, resolve_decode, static, stream
+from attnres.ops.depth_attention import library
+
+#: Block AttnRes through its Triton kernels too (the backend CUDA runs), under Triton's
+#: interpreter: where the suite runs them on a GPU, the model is not on the CPU the fakes need.
+RESIDUALS = ["standard", "attnres_full", "attnres_block",
+             pytest.param({"kind": "attnres_block", "backend": "triton"}, id="attnres_block-triton",
+                          marks=pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="Triton's interpreter"))]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _writes(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors operator ``func`` writes in place (its schema's mutable arguments, ``out=``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+    return written
+
+
+class _Capture(TorchDispatchMode):
+    """What a CUDA graph records of the operators run inside ``torch.cuda.graph``: each one
+    with its arguments and results, for :meth:`replay`; the tensors they write are saved
+    first and put back at the end (:meth:`restore`), as a capture writes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.saved = [], {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func.overloadpacket) in NOT_CAPTURABLE:
+            raise RuntimeError(f"{func}: operation not permitted when stream is capturing (a CUDA graph)")
+        for t in _writes(func, args, kwargs):
+            self.saved.setdefault(id(t), (t, t.clone()))
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def restore(self) -> None:
+        for t, before in self.saved.values():
+            t.copy_(before)
+
+    def replay(self) -> None:
+        """The recorded operators again, on the tensors they read then (their values now),
+        each result copied into the tensor the capture made (a view of a tensor is itself)."""
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for old, fresh in zip(tree_leaves(out), tree_leaves(new)):
+                if isinstance(old, torch.Tensor) and old.untyped_storage().data_ptr() != fresh.untyped_storage().data_ptr():
+                    old.copy_(fresh)
+
+
+def _bound(real, fake):
+    """``fake``, called only with arguments that ``real`` (torch's own) takes."""
+    signature = inspect.signature(real)
+
+    def call(*args, **kwargs):
+        signature.bind(*args, **kwargs)
+        return fake(*args, **kwargs)
+
+    return call
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """CUDA graphs on the CPU: ``cuda_graphs`` says yes, the CUDA calls the graphed decoder
+    makes faked (bound against torch's signatures). Returns the log of captures and replays."""
+    log = []
+
+    class Stream:
+        def __init__(self, device=None, priority=0, **kwargs):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+    class CUDAGraph:
+        def __init__(self, keep_graph=False):
+            self.capture = None
+
+        def replay(self):
+            log.append("replay")
+            with torch.no_grad():
+                self.capture.replay()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        log.append("capture")
+        cuda_graph.capture = _Capture()
+        with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
+            yield
+        cuda_graph.capture.restore()
+
+    real = torch.cuda
+    fakes = {"device": _bound(real.device, lambda device: contextlib.nullcontext()),
+             "current_stream": _bound(real.current_stream, lambda device=None: Stream()),
+             "Stream": Stream, "stream": _bound(real.stream, lambda stream: contextlib.nullcontext()),
+             "CUDAGraph": CUDAGraph, "graph": _bound(real.graph, graph)}
+    for name, value in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(static, "cuda_graphs", lambda device: True)
+    return log
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_the_graphed_decoder_replays_the_static_steps_logits(fake_cuda_graphs, residual):
+    """``StaticDecoder(mode="graph")``: one capture (after its warm-up steps), then every
+    step a replay whose logits are the eager static step's."""
+    model = make_model(residual=residual).eval()
+    ids, mask = ragged_prompts()
+    tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for mode in ("eager", "graph"):
+        logits, cache = prefill(model, ids, mask)
+        decoder = StaticDecoder(model, 3, capacity=7 + 5, mode=mode)
+        decoder.load(cache, mask)
+        got[mode] = torch.stack([decoder.step(tokens[:, i]).clone() for i in range(5)], dim=1)
+        assert decoder.length == 12
+    assert fake_cuda_graphs == ["capture"] + ["replay"] * 5
+    torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_generate_over_the_graphed_step_gives_the_dynamic_tokens(fake_cuda_graphs, residual):
+    """What ``generate`` does on CUDA by default (``decode="auto"`` is ``"graph"`` there): the
+    dynamic cache's tokens for a ragged batch - greedy; sampled with a generator per row;
+    ended by a stop token (the rows after it padded, the stream ending when all have); and
+    ended by stop strings."""
+    from test_inference import _AngleTokenizer, _first_holding
+
+    model = make_model(residual=residual).eval()
+    assert resolve_decode(model, "auto") == "graph"
+    ids, mask = ragged_prompts()
+
+    def both(**kwargs):
+        out = {}
+        for decode in ("dynamic", "auto"):
+            if "generator" in kwargs:
+                kwargs["generator"] = [torch.Generator().manual_seed(7 + row) for row in range(3)]
+            fake_cuda_graphs.clear()
+            out[decode] = generate(model, ids, mask, decode=decode, **kwargs)
+        assert fake_cuda_graphs[:1] == ["capture"] and set(fake_cuda_graphs[1:]) == {"replay"}, fake_cuda_graphs
+        assert torch.equal(out["auto"], out["dynamic"]), (out["auto"], out["dynamic"])
+        return out["dynamic"]
+
+    free = both(max_new_tokens=10).tolist()
+    both(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, generator="per row")
+    stop = free[0][4]  # row 0 ends at its 5th token at the latest, the others where they meet it
+    ended = both(max_new_tokens=10, stop_tokens=[stop], pad_token_id=3)
+    assert ended[0, :5].tolist() == free[0][:free[0].index(stop) + 1] + [3] * (4 - free[0].index(stop))
+    across = f"{free[1][2]:03d}><{free[1][3]:03d}"
+    out = both(max_new_tokens=10, stop_strings=[across], tokenizer=_AngleTokenizer, pad_token_id=3)
+    needed = _first_holding(free[1], across)
+    assert out[1].tolist()[:needed] == free[1][:needed] and set(out[1].tolist()[needed:]) <= {3}
+
+
+@pytest.mark.parametrize("residual", ["attnres_full", "attnres_block"])
+def test_hf_generate_over_the_compiled_static_cache_gives_the_dynamic_tokens(residual):
+    """What ``AttnResForCausalLM.generate`` does on CUDA: a ``StaticCache``, whose decode steps
+    transformers runs compiled (there Inductor's CUDA graphs; here a quick backend, on the CPU
+    as ``CompileConfig._compile_all_devices`` lets it). Through transformers' own loop, every
+    decode step one graph with no break (``fullgraph=True``, stricter than transformers
+    asks); a ragged batch gets the dynamic cache's tokens - greedy, sampled, ended by an
+    end-of-sequence id."""
+    pytest.importorskip("transformers")
+    from test_static_decode import GraphRecorder, hf_twin
+    from transformers import CompileConfig
+
+    hf = hf_twin(make_model(residual=residual).eval())
+    ids, mask = ragged_prompts()
+    torch._dynamo.reset()
+    recorder = GraphRecorder()
+    # (a function: the config's deep copy, which transformers compiles with, copies an object)
+    compiled = CompileConfig(backend=lambda gm, inputs: recorder(gm, inputs), mode=None, fullgraph=True)
+    compiled._compile_all_devices = True  # (transformers compiles on CUDA and a few other devices only)
+    free = None
+    for sampling in ({"do_sample": False}, {"do_sample": True, "top_k": 20}, {"do_sample": False, "eos_token_id": -1}):
+        if sampling.get("eos_token_id") == -1:
+            sampling["eos_token_id"] = int(free[0, 3])
+        out = {}
+        for cache in ("static", "dynamic"):
+            torch.manual_seed(3)
+            out[cache] = hf.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, cache_implementation=cache,
+                                     **({"compile_config": compiled} if cache == "static" else {}), **sampling)
+        assert torch.equal(out["static"], out["dynamic"]), (sampling, out)
+        free = out["dynamic"][:, 7:] if free is None else free
+    assert recorder.graphs == 1
