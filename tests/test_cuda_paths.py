@@ -109,13 +109,15 @@ def fake_cuda_graphs(monkeypatch):
 
         def replay(self):
             log.append("replay")
-            with torch.no_grad():
+            # (a replay runs kernels, past autograd's checks: in the mode the capture ran in, the
+            # operators writing its own results - inference tensors, if it was in inference mode - may)
+            with torch.inference_mode(self.inference), torch.no_grad():  # (inference_mode(False) enables grad)
                 self.capture.replay()
 
     @contextlib.contextmanager
     def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
         log.append("capture")
-        cuda_graph.capture = _Capture()
+        cuda_graph.capture, cuda_graph.inference = _Capture(), torch.is_inference_mode_enabled()
         with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
             yield
         cuda_graph.capture.restore()
@@ -214,3 +216,22 @@ def test_hf_generate_over_the_compiled_static_cache_gives_the_dynamic_tokens(res
         assert torch.equal(out["static"], out["dynamic"]), (sampling, out)
         free = out["dynamic"][:, 7:] if free is None else free
     assert recorder.graphs == 1
+
+
+@pytest.mark.parametrize("built, stepped", [(True, False), (False, True)])
+def test_a_graphed_decoder_steps_in_and_out_of_inference_mode(fake_cuda_graphs, built, stepped):
+    """A graphed decoder built under ``torch.inference_mode()`` (with the prefill, as a
+    server or benchmark sets it up) and stepped outside it - or the other way round - gives
+    the eager decoder's tokens: each step copies its tokens into the buffer the graph reads,
+    which was an inference tensor when built in that mode ("Inplace update to inference
+    tensor outside InferenceMode is not allowed" at the first step)."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=5, decode="static")
+    with torch.inference_mode(built):
+        logits, cache = prefill(model, ids, mask)
+        decoder = StaticDecoder(model, 3, capacity=7 + 4, mode="graph")
+    with torch.inference_mode(stepped):
+        decoder.load(cache, mask)
+        assert torch.equal(decoder.decode(logits.argmax(-1), 4), want[:, 1:])
+    assert fake_cuda_graphs == ["capture"] + ["replay"] * 4

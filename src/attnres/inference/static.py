@@ -128,11 +128,13 @@ class StaticDecoder:
         self.model, self.mode, self.warmup = model, mode, warmup
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
             self.cache = StaticKVCache.for_model(model, batch_size, capacity)
+            # (the graph's input, which each step copies its tokens into: built as an inference tensor, a
+            # step outside that mode failed in "Inplace update to inference tensor outside InferenceMode")
+            self._tokens = torch.zeros(batch_size, dtype=torch.long, device=self.cache.end.device)
         self.device = self.cache.end.device
         if mode == "graph" and not cuda_graphs(self.device):
             raise ValueError(f"mode='graph' captures a CUDA graph: the model is on {self.device}; use 'compiled' or 'eager'")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
-        self._tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self._graph = self._logits = self._captured_with = None
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
