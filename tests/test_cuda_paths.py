@@ -235,3 +235,21 @@ def test_a_graphed_decoder_steps_in_and_out_of_inference_mode(fake_cuda_graphs, 
         decoder.load(cache, mask)
         assert torch.equal(decoder.decode(logits.argmax(-1), 4), want[:, 1:])
     assert fake_cuda_graphs == ["capture"] + ["replay"] * 4
+
+
+def _every_residual():
+    from attnres.nn.residual.registry import registered_residuals
+
+    return registered_residuals()
+
+
+@pytest.mark.parametrize("residual", _every_residual())
+def test_every_residual_decodes_through_the_graphed_step(fake_cuda_graphs, residual):
+    """``generate``'s default on CUDA captures the decode step of whatever residual the model
+    has - the baselines too, not only AttnRes: each one's step reads nothing back to the
+    host (the capture would refuse it) and replays to the dynamic cache's tokens."""
+    model = make_model(residual=residual).eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
+    assert fake_cuda_graphs == ["capture"] + ["replay"] * 5
