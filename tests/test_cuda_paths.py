@@ -253,3 +253,27 @@ def test_every_residual_decodes_through_the_graphed_step(fake_cuda_graphs, resid
     want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
     assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
     assert fake_cuda_graphs == ["capture"] + ["replay"] * 5
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix", "lora"])
+def test_hf_generate_on_cuda_keeps_the_dynamic_cache_under_peft_prompt_learning(monkeypatch, method):
+    """On CUDA ``AttnResForCausalLM.generate`` asks for a static cache; under PEFT's prompt or
+    prefix tuning (peft 0.21) that failed in PEFT's inputs ("KeyError: 'cache_position'"; its
+    virtual tokens do not fit a cache sized for the prompt either), where the dynamic cache
+    generates (test_hf's PEFT tests): prompt learning keeps transformers' default; LoRA, whose
+    inputs are the model's own, gets the static cache."""
+    peft = pytest.importorskip("peft")
+    from test_static_decode import hf_twin
+    from transformers import GenerationMixin
+
+    from attnres.hf import AttnResForCausalLM
+
+    config = {"prompt": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+              "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+              "lora": lambda: peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"])}[method]()
+    adapted = peft.get_peft_model(hf_twin(make_model(residual="attnres_block").eval()), config)
+    seen = []
+    monkeypatch.setattr(GenerationMixin, "generate", lambda self, *a, **k: seen.append(k.get("cache_implementation")))
+    monkeypatch.setattr(AttnResForCausalLM, "device", property(lambda self: torch.device("cuda")))
+    adapted.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+    assert seen == [None if method in ("prompt", "prefix") else "static"]
