@@ -35,6 +35,12 @@ RESIDUALS = ["standard", "attnres_full", "attnres_block",
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _every_residual():
+    from attnres.nn.residual.registry import registered_residuals
+
+    return registered_residuals()
+
+
 def _writes(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors operator ``func`` writes in place (its schema's mutable arguments, ``out=``)."""
     written = []
@@ -185,7 +191,7 @@ def test_generate_over_the_graphed_step_gives_the_dynamic_tokens(fake_cuda_graph
     assert out[1].tolist()[:needed] == free[1][:needed] and set(out[1].tolist()[needed:]) <= {3}
 
 
-@pytest.mark.parametrize("residual", ["attnres_full", "attnres_block"])
+@pytest.mark.parametrize("residual", _every_residual())
 def test_hf_generate_over_the_compiled_static_cache_gives_the_dynamic_tokens(residual):
     """What ``AttnResForCausalLM.generate`` does on CUDA: a ``StaticCache``, whose decode steps
     transformers runs compiled (there Inductor's CUDA graphs; here a quick backend, on the CPU
@@ -235,12 +241,6 @@ def test_a_graphed_decoder_steps_in_and_out_of_inference_mode(fake_cuda_graphs, 
         decoder.load(cache, mask)
         assert torch.equal(decoder.decode(logits.argmax(-1), 4), want[:, 1:])
     assert fake_cuda_graphs == ["capture"] + ["replay"] * 4
-
-
-def _every_residual():
-    from attnres.nn.residual.registry import registered_residuals
-
-    return registered_residuals()
 
 
 @pytest.mark.parametrize("residual", _every_residual())
