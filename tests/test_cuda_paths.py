@@ -277,3 +277,26 @@ def test_hf_generate_on_cuda_keeps_the_dynamic_cache_under_peft_prompt_learning(
     monkeypatch.setattr(AttnResForCausalLM, "device", property(lambda self: torch.device("cuda")))
     adapted.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
     assert seen == [None if method in ("prompt", "prefix") else "static"]
+
+
+@pytest.mark.slow
+def test_compiled_decode_on_cuda_compiles_for_cuda_graphs_and_marks_each_step(monkeypatch):
+    """``decode="compiled"`` on CUDA compiles the step with ``mode="reduce-overhead"``
+    (Inductor's CUDA graphs; on the CPU Inductor leaves them out) and tells the graphs where
+    each step begins - the previous step's logits, read by then, may be overwritten: the
+    static step's tokens, a batch of another size too."""
+    from attnres.inference import static as static_module
+
+    marks = []
+    monkeypatch.setattr(static_module, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin",
+                        _bound(torch.compiler.cudagraph_mark_step_begin, lambda: marks.append(1)))
+    monkeypatch.setattr(static_module, "_COMPILED", {})
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    for rows in (3, 2):
+        marks.clear()
+        want = generate(model, ids[:rows], mask[:rows], max_new_tokens=5, decode="static")
+        assert torch.equal(generate(model, ids[:rows], mask[:rows], max_new_tokens=5, decode="compiled"), want)
+        assert len(marks) == 4
+    assert list(static_module._COMPILED) == ["reduce-overhead"]
