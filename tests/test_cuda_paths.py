@@ -300,3 +300,42 @@ def test_compiled_decode_on_cuda_compiles_for_cuda_graphs_and_marks_each_step(mo
         assert torch.equal(generate(model, ids[:rows], mask[:rows], max_new_tokens=5, decode="compiled"), want)
         assert len(marks) == 4
     assert list(static_module._COMPILED) == ["reduce-overhead"]
+
+
+def test_a_cuda_out_of_memory_is_told_in_words():
+    """CUDA's caching allocator raises ``torch.OutOfMemoryError`` ("CUDA out of memory. Tried to
+    allocate 2.00 GiB. GPU 0 has ..."): training names the device, the allocation and what to
+    lower, as for the CPU's (test_first_use)."""
+    from attnres.train import TrainConfig
+    from attnres.train.loop import out_of_memory
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                   "79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process "
+                                   "has 78.12 GiB memory in use.")
+    said = str(out_of_memory(error, TrainConfig(batch_size=8, seq_len=64), torch.device("cuda", 0)))
+    assert said.startswith("out of memory on cuda:0: one micro-batch of batch_size 8 x seq_len 64 tokens"), said
+    assert "(an allocation of 2,048 MiB failed); lower batch_size" in said, said
+
+
+def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys):
+    """``attnres env`` where CUDA is available (the calls faked, bound against torch's): each
+    device by name and compute capability, and the Triton kernels for depth attention."""
+    from importlib import metadata
+
+    from attnres.cli import main as cli_main
+
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA A10"]
+    capabilities = [(9, 0), (8, 6)]
+    real = torch.cuda
+    for name, fake in {"is_available": lambda: True, "device_count": lambda: 2,
+                       "get_device_name": lambda device=None: names[device],
+                       "get_device_capability": lambda device=None: capabilities[device]}.items():
+        monkeypatch.setattr(torch.cuda, name, _bound(getattr(real, name), fake))
+    assert cli_main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "; cuda: NVIDIA H100 80GB HBM3 (sm_90), NVIDIA A10 (sm_86)\n" in text, text
+    try:
+        kernels = f"the Triton kernels (triton {metadata.version('triton')})"
+    except metadata.PackageNotFoundError:
+        kernels = "PyTorch (triton is not installed: pip install triton)"
+    assert f"\n  cuda   {kernels}\n" in text, text
