@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 
 import pytest
 import torch
@@ -339,3 +340,17 @@ def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys):
     except metadata.PackageNotFoundError:
         kernels = "PyTorch (triton is not installed: pip install triton)"
     assert f"\n  cuda   {kernels}\n" in text, text
+
+
+@pytest.mark.parametrize("warmup", [0, -1, 1.5, "2"])
+def test_a_graphed_decoder_warms_up_at_least_once(fake_cuda_graphs, warmup):
+    """``mode="graph"`` runs ``warmup`` eager steps before its capture, where the kernels are
+    compiled and their workspaces allocated (a capturing stream refuses both): 0 or a negative
+    number captured at once, a float or string failed in ``range``; refused, naming it."""
+    model = make_model(residual="attnres_block").eval()
+    with pytest.raises(ValueError, match=r"StaticDecoder: warmup \(the eager steps before a CUDA graph's capture\) "
+                                         rf"must be an integer >= 1 for mode='graph', got {re.escape(repr(warmup))}"):
+        StaticDecoder(model, 1, capacity=8, mode="graph", warmup=warmup)
+    assert fake_cuda_graphs == []
+    StaticDecoder(model, 1, capacity=8, mode="graph", warmup=1)
+    assert fake_cuda_graphs == ["capture"]

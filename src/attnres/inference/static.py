@@ -104,7 +104,7 @@ class StaticDecoder:
     * ``"compiled"``: the step under ``torch.compile(fullgraph=True, dynamic=False)``, with
       ``mode="reduce-overhead"`` (Inductor's own CUDA graphs) on CUDA;
     * ``"graph"`` (CUDA only): the eager step captured in a ``torch.cuda.CUDAGraph`` at
-      construction (after ``warmup`` eager steps on a side stream) and replayed. Capture
+      construction (after ``warmup`` >= 1 eager steps on a side stream) and replayed. Capture
       costs about ``warmup + 1`` steps, where compiling costs seconds to minutes, and it
       replays the very kernels the eager step runs; ``"compiled"`` may also fuse them.
 
@@ -134,6 +134,10 @@ class StaticDecoder:
         self.device = self.cache.end.device
         if mode == "graph" and not cuda_graphs(self.device):
             raise ValueError(f"mode='graph' captures a CUDA graph: the model is on {self.device}; use 'compiled' or 'eager'")
+        if mode == "graph" and not Int(1).ok(warmup):  # (0: the first kernels compiled, workspaces allocated, in the capture)
+            raise ValueError(f"StaticDecoder: warmup (the eager steps before a CUDA graph's capture) must be an integer "
+                             f">= 1 for mode='graph', got {warmup!r}: a capture can neither compile kernels nor allocate "
+                             "their first workspaces")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
         self._graph = self._logits = self._captured_with = None
         if mode == "compiled":
