@@ -354,3 +354,45 @@ def test_a_graphed_decoder_warms_up_at_least_once(fake_cuda_graphs, warmup):
     assert fake_cuda_graphs == []
     StaticDecoder(model, 1, capacity=8, mode="graph", warmup=1)
     assert fake_cuda_graphs == ["capture"]
+
+
+def test_a_graphed_decoder_is_reused_across_prompts_and_rewound(fake_cuda_graphs):
+    """One graphed decoder for many batches of its size (what a benchmark or server keeps):
+    each ``load`` of another prefill, and a ``rewind``, decode what the eager decoder decodes
+    - one capture for all, as the weights did not change - and after the weights are replaced
+    (``model.to``-style), the next ``load`` captures again."""
+    model = make_model(residual="attnres_block").eval()
+    graphed, eager = (StaticDecoder(model, 3, capacity=7 + 6, mode=mode) for mode in ("graph", "eager"))
+    for seed in (1, 2):
+        ids, mask = ragged_prompts(seed=seed)
+        logits, cache = prefill(model, ids, mask)
+        outs = []
+        for decoder in (graphed, eager):
+            decoder.load(cache, mask)
+            first = decoder.decode(logits.argmax(-1), 5)
+            decoder.rewind(7 + 2)
+            outs.append(torch.cat([first, decoder.decode(first[:, 2], 3)], dim=1))
+        assert torch.equal(outs[0], outs[1])
+    assert fake_cuda_graphs.count("capture") == 1
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)
+    ids, mask = ragged_prompts()
+    logits, cache = prefill(model, ids, mask)
+    graphed.load(cache, mask)
+    eager.load(cache, mask)
+    assert fake_cuda_graphs.count("capture") == 2
+    assert torch.equal(graphed.decode(logits.argmax(-1), 5), eager.decode(logits.argmax(-1), 5))
+
+
+def test_a_graphed_decoder_warms_up_on_the_empty_cache(fake_cuda_graphs):
+    """A capacity smaller than ``warmup``: the warm-up steps wrote past the cache's end (on
+    CUDA a device-side assert, which ends the process's use of the GPU); each now runs on
+    the emptied cache, and the decoder decodes as the eager one."""
+    model = make_model(residual="attnres_block").eval()
+    ids = torch.randint(0, 256, (2, 1), generator=torch.Generator().manual_seed(3))
+    logits, cache = prefill(model, ids)
+    out = []
+    for mode, warmup in (("graph", 4), ("eager", 2)):
+        decoder = StaticDecoder(model, 2, capacity=2, mode=mode, warmup=warmup)
+        decoder.load(cache)
+        out.append(decoder.decode(logits.argmax(-1), 1))
+    assert torch.equal(out[0], out[1]) and fake_cuda_graphs == ["capture", "replay"]

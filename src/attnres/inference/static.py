@@ -271,8 +271,8 @@ class StaticDecoder:
         return self._captured_with is None or addresses != self._captured_with[0] or folded is not self._captured_with[1]
 
     def _capture(self) -> None:
-        """Warm up (kernels compiled, workspaces allocated) on a side stream, then record
-        one step into a CUDA graph; the cache is left empty. On the model's device made
+        """Warm up (kernels compiled, workspaces allocated) on a side stream, each step on the
+        empty cache, then record one step into a CUDA graph; the cache is left empty. On the model's device made
         current: ``torch.cuda.graph`` captures a stream of the current device, which the
         step's operations on another device (a model on ``cuda:1``) would not run on."""
         with torch.cuda.device(self.device):
@@ -284,6 +284,9 @@ class StaticDecoder:
         side.wait_stream(current)
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(self.warmup):
+                # (each at slot 0: a decoder captured again by load wrote on from its last length, and steps
+                # past a capacity smaller than warmup wrote past its end - on CUDA a device-side assert)
+                self.cache.crop_(0)
                 static_decode_step(self.model, self.cache, self._tokens)
         current.wait_stream(side)
         self.cache.crop_(0)
