@@ -396,3 +396,34 @@ def test_a_graphed_decoder_warms_up_on_the_empty_cache(fake_cuda_graphs):
         decoder.load(cache)
         out.append(decoder.decode(logits.argmax(-1), 1))
     assert torch.equal(out[0], out[1]) and fake_cuda_graphs == ["capture", "replay"]
+
+
+def test_a_torchrun_rank_on_cuda_joins_over_nccl_bound_to_its_gpu(monkeypatch):
+    """``init_distributed`` on CUDA (torchrun, two ranks; CUDA and the process group faked,
+    bound against torch's signatures): rank 1 takes ``cuda:LOCAL_RANK`` as its current
+    device and creates the group over NCCL with that ``device_id`` (a communicator bound to
+    its GPU), with the timeout asked."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from attnres.distributed import launch
+
+    made, current = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", _bound(torch.cuda.set_device, current.append))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(made))
+    monkeypatch.setattr(dist, "init_process_group", _bound(dist.init_process_group,
+                                                           lambda backend=None, **kwargs: made.append((backend, kwargs))))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(launch.atexit, "register", lambda fn, *args: fn)
+    ctx = launch.init_distributed("auto", timeout_s=30.0)
+    assert current == [1] and ctx.device == torch.device("cuda", 1) and ctx.backend == "nccl"
+    assert made == [("nccl", {"timeout": timedelta(seconds=30.0), "device_id": torch.device("cuda", 1)})]
+    assert (ctx.rank, ctx.world_size, ctx.timeout_s) == (1, 2, 30.0)
