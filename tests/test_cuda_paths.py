@@ -25,7 +25,7 @@ from test_static_decode import NOT_CAPTURABLE, ragged_prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from attnres.inference import StaticDecoder, generate, prefill, resolve_decode, static, stream
+from attnres.inference import StaticDecoder, generate, prefill, resolve_decode, static
 from attnres.ops.depth_attention import library
 
 #: Block AttnRes through its Triton kernels too (the backend CUDA runs), under Triton's
