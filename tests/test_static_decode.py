@@ -353,8 +353,8 @@ def test_a_graph_is_captured_with_the_models_device_current(monkeypatch):
 
 def test_a_graph_records_one_step_after_its_warm_up_steps_outside_the_capture(monkeypatch):
     """What ``mode="graph"`` records (the CUDA calls faked, the capture running the step
-    eagerly): ``warmup`` steps on a side stream first - the kernels compiled and loaded, which a
-    capture cannot do -, then, the cache emptied, one step inside the capture, all without
+    eagerly): ``warmup`` steps on a side stream first, each on the emptied cache - the kernels
+    compiled and loaded, which a capture cannot do -, then one step inside the capture, all without
     autograd; the decoder is left empty, its graph current for the weights, and a step
     replays it and returns the captured logits."""
     from attnres.inference import static
@@ -391,7 +391,7 @@ def test_a_graph_records_one_step_after_its_warm_up_steps_outside_the_capture(mo
 
     monkeypatch.setattr(static, "static_decode_step", logged)
     decoder._record()
-    assert log == ["wait", "side stream", ("step", 0, False), ("step", 1, False), "side stream end", "wait",
+    assert log == ["wait", "side stream", ("step", 0, False), ("step", 0, False), "side stream end", "wait",
                    "capture", ("step", 0, False), "capture end"]
     assert decoder.length == 0 and not decoder._stale()
     log.clear()

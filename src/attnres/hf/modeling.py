@@ -344,15 +344,25 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         ``cache_implementation`` or ``use_cache=False``, it decodes over a static cache
         (``cache_implementation="static"``), whose decode step transformers compiles with
         ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); elsewhere the default
-        dynamic cache. Pass ``cache_implementation="dynamic"`` to keep the dynamic one."""
+        dynamic cache. Pass ``cache_implementation="dynamic"`` to keep the dynamic one. Under
+        PEFT's prompt learning (prompt or prefix tuning) the dynamic cache stays: its virtual
+        tokens do not fit a static cache sized for the prompt, and peft 0.21's inputs for one
+        failed ("KeyError: 'cache_position'")."""
         config = kwargs.get("generation_config") or self.generation_config
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         self._check_generation_length(kwargs.get("inputs_embeds") if prompt is None else prompt, kwargs, config)
         named = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_implementation"))
         if (self.device.type == "cuda" and not named and config.cache_implementation is None
-                and kwargs.get("use_cache", config.use_cache) is not False):
+                and kwargs.get("use_cache", config.use_cache) is not False and not self._prompt_learning()):
             kwargs["cache_implementation"] = "static"
         return super().generate(*args, **kwargs)
+
+    def _prompt_learning(self) -> bool:
+        """Whether PEFT's prompt learning prepares this generation's inputs: a ``PeftModel``
+        puts its own ``prepare_inputs_for_generation`` on this model for the call, and its
+        active config says ``is_prompt_learning`` (LoRA's does not: its inputs are ours)."""
+        wrapper = getattr(self.__dict__.get("prepare_inputs_for_generation"), "__self__", None)
+        return bool(getattr(getattr(wrapper, "active_peft_config", None), "is_prompt_learning", False))
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, inputs_embeds: Tensor | None = None, **kwargs) -> dict:
         """transformers' inputs of one ``generate`` step, with the cache under its earlier

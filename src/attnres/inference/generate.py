@@ -25,6 +25,7 @@ from ..nn.compiled import uncompiled
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
 from ..validation import did_you_mean, did_you_mean_each
+from . import static as _static  # (its cuda_graphs looked up at each call: the tests replace it)
 from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
 from .stop_strings import RowStops, check_stop_strings
 
@@ -340,8 +341,8 @@ def resolve_decode(model, decode: str) -> str:
         raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}{hint}")
     device = next(model.parameters()).device
     if decode == "auto":
-        return "graph" if device.type == "cuda" else "dynamic"
-    if decode == "graph" and device.type != "cuda":
+        return "graph" if _static.cuda_graphs(device) else "dynamic"
+    if decode == "graph" and not _static.cuda_graphs(device):
         raise ValueError(f"decode='graph' captures a CUDA graph: the model is on {device}; use 'compiled' or 'static'")
     return decode
 

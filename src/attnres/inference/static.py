@@ -37,6 +37,14 @@ STATIC_MODES = ("eager", "compiled", "graph")
 TOKEN_DTYPES = (torch.long, torch.int32)
 
 
+def cuda_graphs(device: torch.device) -> bool:
+    """Whether decoding on ``device`` runs CUDA graphs: ``mode="graph"`` captures one there,
+    ``"compiled"`` compiles with ``mode="reduce-overhead"``, and ``decode="auto"`` picks
+    ``"graph"``. One predicate for every such branch, so that the tests drive the graphed path
+    on the CPU (the CUDA calls faked) - no GPU runs the test suite."""
+    return device.type == "cuda"
+
+
 def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
     """One token per sequence, ``tokens [B]`` (int64), through ``model`` (an ``AttnResLM``)
     over ``cache``: the next-token logits ``[B, vocab]`` in float32. Validates nothing and reads nothing back to the host, so that it can be
@@ -96,7 +104,7 @@ class StaticDecoder:
     * ``"compiled"``: the step under ``torch.compile(fullgraph=True, dynamic=False)``, with
       ``mode="reduce-overhead"`` (Inductor's own CUDA graphs) on CUDA;
     * ``"graph"`` (CUDA only): the eager step captured in a ``torch.cuda.CUDAGraph`` at
-      construction (after ``warmup`` eager steps on a side stream) and replayed. Capture
+      construction (after ``warmup`` >= 1 eager steps on a side stream) and replayed. Capture
       costs about ``warmup + 1`` steps, where compiling costs seconds to minutes, and it
       replays the very kernels the eager step runs; ``"compiled"`` may also fuse them.
 
@@ -120,16 +128,22 @@ class StaticDecoder:
         self.model, self.mode, self.warmup = model, mode, warmup
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
             self.cache = StaticKVCache.for_model(model, batch_size, capacity)
+            # (the graph's input, which each step copies its tokens into: built as an inference tensor, a
+            # step outside that mode failed in "Inplace update to inference tensor outside InferenceMode")
+            self._tokens = torch.zeros(batch_size, dtype=torch.long, device=self.cache.end.device)
         self.device = self.cache.end.device
-        if mode == "graph" and self.device.type != "cuda":
+        if mode == "graph" and not cuda_graphs(self.device):
             raise ValueError(f"mode='graph' captures a CUDA graph: the model is on {self.device}; use 'compiled' or 'eager'")
+        if mode == "graph" and not Int(1).ok(warmup):  # (0: the first kernels compiled, workspaces allocated, in the capture)
+            raise ValueError(f"StaticDecoder: warmup (the eager steps before a CUDA graph's capture) must be an integer "
+                             f">= 1 for mode='graph', got {warmup!r}: a capture can neither compile kernels nor allocate "
+                             "their first workspaces")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
-        self._tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self._graph = self._logits = self._captured_with = None
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
                 torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
-            self._compiled = _compiled_step("reduce-overhead" if self.device.type == "cuda" else None)
+            self._compiled = _compiled_step("reduce-overhead" if cuda_graphs(self.device) else None)
             self._run = self._run_compiled
         else:
             self._run = static_decode_step
@@ -203,7 +217,7 @@ class StaticDecoder:
             self._graph.replay()
             return self._logits
         with torch.no_grad():
-            if self.mode == "compiled" and self.device.type == "cuda":
+            if self.mode == "compiled" and cuda_graphs(self.device):
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
             return self._run(self.model, self.cache, tokens)
 
@@ -257,8 +271,8 @@ class StaticDecoder:
         return self._captured_with is None or addresses != self._captured_with[0] or folded is not self._captured_with[1]
 
     def _capture(self) -> None:
-        """Warm up (kernels compiled, workspaces allocated) on a side stream, then record
-        one step into a CUDA graph; the cache is left empty. On the model's device made
+        """Warm up (kernels compiled, workspaces allocated) on a side stream, each step on the
+        empty cache, then record one step into a CUDA graph; the cache is left empty. On the model's device made
         current: ``torch.cuda.graph`` captures a stream of the current device, which the
         step's operations on another device (a model on ``cuda:1``) would not run on."""
         with torch.cuda.device(self.device):
@@ -270,6 +284,9 @@ class StaticDecoder:
         side.wait_stream(current)
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(self.warmup):
+                # (each at slot 0: a decoder captured again by load wrote on from its last length, and steps
+                # past a capacity smaller than warmup wrote past its end - on CUDA a device-side assert)
+                self.cache.crop_(0)
                 static_decode_step(self.model, self.cache, self._tokens)
         current.wait_stream(side)
         self.cache.crop_(0)

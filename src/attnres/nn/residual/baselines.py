@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ...ops import compute_dtype
 from .base import ResidualState, ResidualStream
@@ -504,8 +505,24 @@ class MHCLite(MHC):
 
     def permutation_matrices(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """All ``m!`` permutation matrices, ``[m!, m, m]``."""
-        index = torch.tensor(self._perms, device=device)
-        return torch.eye(self.n_streams, device=device, dtype=dtype)[index]
+        return torch.eye(self.n_streams, device=device, dtype=dtype)[self._permutation_index(device)]
+
+    def _permutation_index(self, device: torch.device) -> Tensor:
+        """The permutations as an index ``[m!, m]`` on ``device``, made once per device and
+        kept (not a buffer: see ``__init__``). Made from the Python tuples at every forward,
+        it was a host-to-device copy per sublayer: on CUDA a wait for the GPU each time, and
+        what a CUDA graph's capture refuses - ``generate``'s default decode there failed. A
+        traced forward makes it a constant of its graph; a fake one's is not kept."""
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return torch.tensor(self._perms, device=device)
+        kept = self.__dict__.get("_permutation_indices", {})
+        if device not in kept:
+            with torch.inference_mode(False):  # (a plain tensor, read in and out of inference mode)
+                index = torch.tensor(self._perms, device=device)
+            if isinstance(index, FakeTensor):
+                return index
+            self.__dict__["_permutation_indices"] = kept = {**kept, device: index}
+        return kept[device]
 
     def residual_matrix(self, logits: Tensor) -> Tensor:
         weights = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)  # [..., m!]

@@ -1,0 +1,429 @@
+"""The code paths only CUDA takes, driven on the CPU: no GPU runs this suite.
+
+``decode="graph"`` (and ``"auto"`` on CUDA) captures the eager decode step in a CUDA graph
+and replays it. Here ``attnres.inference.static.cuda_graphs`` says yes on the CPU and the
+CUDA calls are faked (:func:`fake_cuda_graphs`): each fake is bound against the real
+function's signature first (a wrong name or argument fails here as it would on a GPU), and
+the fake graph keeps what a CUDA graph keeps - the operators a capture dispatches, with
+their arguments and results (memory addresses, Python numbers baked in) - restores what the
+capture wrote (a capture runs no kernel), refuses what a capturing stream refuses (a read
+back to the host), and a replay runs those operators again into the same results. So
+``stream`` / ``generate`` over the graphed step run here as they run on a GPU: ragged
+prompts, sampling, stop tokens and stop strings, against the dynamic cache's tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+
+import pytest
+import torch
+from conftest import TRITON_DEVICE, make_model
+from test_static_decode import NOT_CAPTURABLE, ragged_prompts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from attnres.inference import StaticDecoder, generate, prefill, resolve_decode, static
+from attnres.ops.depth_attention import library
+
+#: Block AttnRes through its Triton kernels too (the backend CUDA runs), under Triton's
+#: interpreter: where the suite runs them on a GPU, the model is not on the CPU the fakes need.
+RESIDUALS = ["standard", "attnres_full", "attnres_block",
+             pytest.param({"kind": "attnres_block", "backend": "triton"}, id="attnres_block-triton",
+                          marks=pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="Triton's interpreter"))]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _every_residual():
+    from attnres.nn.residual.registry import registered_residuals
+
+    return registered_residuals()
+
+
+def _writes(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors operator ``func`` writes in place (its schema's mutable arguments, ``out=``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+    return written
+
+
+class _Capture(TorchDispatchMode):
+    """What a CUDA graph records of the operators run inside ``torch.cuda.graph``: each one
+    with its arguments and results, for :meth:`replay`; the tensors they write are saved
+    first and put back at the end (:meth:`restore`), as a capture writes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.saved = [], {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func.overloadpacket) in NOT_CAPTURABLE:
+            raise RuntimeError(f"{func}: operation not permitted when stream is capturing (a CUDA graph)")
+        for t in _writes(func, args, kwargs):
+            self.saved.setdefault(id(t), (t, t.clone()))
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def restore(self) -> None:
+        for t, before in self.saved.values():
+            t.copy_(before)
+
+    def replay(self) -> None:
+        """The recorded operators again, on the tensors they read then (their values now),
+        each result copied into the tensor the capture made (a view of a tensor is itself)."""
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for old, fresh in zip(tree_leaves(out), tree_leaves(new)):
+                if isinstance(old, torch.Tensor) and old.untyped_storage().data_ptr() != fresh.untyped_storage().data_ptr():
+                    old.copy_(fresh)
+
+
+def _bound(real, fake):
+    """``fake``, called only with arguments that ``real`` (torch's own) takes."""
+    signature = inspect.signature(real)
+
+    def call(*args, **kwargs):
+        signature.bind(*args, **kwargs)
+        return fake(*args, **kwargs)
+
+    return call
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """CUDA graphs on the CPU: ``cuda_graphs`` says yes, the CUDA calls the graphed decoder
+    makes faked (bound against torch's signatures). Returns the log of captures and replays."""
+    log = []
+
+    class Stream:
+        def __init__(self, device=None, priority=0, **kwargs):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+    class CUDAGraph:
+        def __init__(self, keep_graph=False):
+            self.capture = None
+
+        def replay(self):
+            log.append("replay")
+            # (a replay runs kernels, past autograd's checks: in the mode the capture ran in, the
+            # operators writing its own results - inference tensors, if it was in inference mode - may)
+            with torch.inference_mode(self.inference), torch.no_grad():  # (inference_mode(False) enables grad)
+                self.capture.replay()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        log.append("capture")
+        cuda_graph.capture, cuda_graph.inference = _Capture(), torch.is_inference_mode_enabled()
+        with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
+            yield
+        cuda_graph.capture.restore()
+
+    real = torch.cuda
+    fakes = {"device": _bound(real.device, lambda device: contextlib.nullcontext()),
+             "current_stream": _bound(real.current_stream, lambda device=None: Stream()),
+             "Stream": Stream, "stream": _bound(real.stream, lambda stream: contextlib.nullcontext()),
+             "CUDAGraph": CUDAGraph, "graph": _bound(real.graph, graph)}
+    for name, value in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(static, "cuda_graphs", lambda device: True)
+    return log
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_the_graphed_decoder_replays_the_static_steps_logits(fake_cuda_graphs, residual):
+    """``StaticDecoder(mode="graph")``: one capture (after its warm-up steps), then every
+    step a replay whose logits are the eager static step's."""
+    model = make_model(residual=residual).eval()
+    ids, mask = ragged_prompts()
+    tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for mode in ("eager", "graph"):
+        logits, cache = prefill(model, ids, mask)
+        decoder = StaticDecoder(model, 3, capacity=7 + 5, mode=mode)
+        decoder.load(cache, mask)
+        got[mode] = torch.stack([decoder.step(tokens[:, i]).clone() for i in range(5)], dim=1)
+        assert decoder.length == 12
+    assert fake_cuda_graphs == ["capture"] + ["replay"] * 5
+    torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_generate_over_the_graphed_step_gives_the_dynamic_tokens(fake_cuda_graphs, residual):
+    """What ``generate`` does on CUDA by default (``decode="auto"`` is ``"graph"`` there): the
+    dynamic cache's tokens for a ragged batch - greedy; sampled with a generator per row;
+    ended by a stop token (the rows after it padded, the stream ending when all have); and
+    ended by stop strings."""
+    from test_inference import _AngleTokenizer, _first_holding
+
+    model = make_model(residual=residual).eval()
+    assert resolve_decode(model, "auto") == "graph"
+    ids, mask = ragged_prompts()
+
+    def both(**kwargs):
+        out = {}
+        for decode in ("dynamic", "auto"):
+            if "generator" in kwargs:
+                kwargs["generator"] = [torch.Generator().manual_seed(7 + row) for row in range(3)]
+            fake_cuda_graphs.clear()
+            out[decode] = generate(model, ids, mask, decode=decode, **kwargs)
+        assert fake_cuda_graphs[:1] == ["capture"] and set(fake_cuda_graphs[1:]) == {"replay"}, fake_cuda_graphs
+        assert torch.equal(out["auto"], out["dynamic"]), (out["auto"], out["dynamic"])
+        return out["dynamic"]
+
+    free = both(max_new_tokens=10).tolist()
+    both(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, generator="per row")
+    stop = free[0][4]  # row 0 ends at its 5th token at the latest, the others where they meet it
+    ended = both(max_new_tokens=10, stop_tokens=[stop], pad_token_id=3)
+    assert ended[0, :5].tolist() == free[0][:free[0].index(stop) + 1] + [3] * (4 - free[0].index(stop))
+    across = f"{free[1][2]:03d}><{free[1][3]:03d}"
+    out = both(max_new_tokens=10, stop_strings=[across], tokenizer=_AngleTokenizer, pad_token_id=3)
+    needed = _first_holding(free[1], across)
+    assert out[1].tolist()[:needed] == free[1][:needed] and set(out[1].tolist()[needed:]) <= {3}
+
+
+@pytest.mark.parametrize("residual", _every_residual())
+def test_hf_generate_over_the_compiled_static_cache_gives_the_dynamic_tokens(residual):
+    """What ``AttnResForCausalLM.generate`` does on CUDA: a ``StaticCache``, whose decode steps
+    transformers runs compiled (there Inductor's CUDA graphs; here a quick backend, on the CPU
+    as ``CompileConfig._compile_all_devices`` lets it). Through transformers' own loop, every
+    decode step one graph with no break (``fullgraph=True``, stricter than transformers
+    asks); a ragged batch gets the dynamic cache's tokens - greedy, sampled, ended by an
+    end-of-sequence id."""
+    pytest.importorskip("transformers")
+    from test_static_decode import GraphRecorder, hf_twin
+    from transformers import CompileConfig
+
+    hf = hf_twin(make_model(residual=residual).eval())
+    ids, mask = ragged_prompts()
+    torch._dynamo.reset()
+    recorder = GraphRecorder()
+    # (a function: the config's deep copy, which transformers compiles with, copies an object)
+    compiled = CompileConfig(backend=lambda gm, inputs: recorder(gm, inputs), mode=None, fullgraph=True)
+    compiled._compile_all_devices = True  # (transformers compiles on CUDA and a few other devices only)
+    free = None
+    for sampling in ({"do_sample": False}, {"do_sample": True, "top_k": 20}, {"do_sample": False, "eos_token_id": -1}):
+        if sampling.get("eos_token_id") == -1:
+            sampling["eos_token_id"] = int(free[0, 3])
+        out = {}
+        for cache in ("static", "dynamic"):
+            torch.manual_seed(3)
+            out[cache] = hf.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, cache_implementation=cache,
+                                     **({"compile_config": compiled} if cache == "static" else {}), **sampling)
+        assert torch.equal(out["static"], out["dynamic"]), (sampling, out)
+        free = out["dynamic"][:, 7:] if free is None else free
+    assert recorder.graphs == 1
+
+
+@pytest.mark.parametrize("built, stepped", [(True, False), (False, True)])
+def test_a_graphed_decoder_steps_in_and_out_of_inference_mode(fake_cuda_graphs, built, stepped):
+    """A graphed decoder built under ``torch.inference_mode()`` (with the prefill, as a
+    server or benchmark sets it up) and stepped outside it - or the other way round - gives
+    the eager decoder's tokens: each step copies its tokens into the buffer the graph reads,
+    which was an inference tensor when built in that mode ("Inplace update to inference
+    tensor outside InferenceMode is not allowed" at the first step)."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=5, decode="static")
+    with torch.inference_mode(built):
+        logits, cache = prefill(model, ids, mask)
+        decoder = StaticDecoder(model, 3, capacity=7 + 4, mode="graph")
+    with torch.inference_mode(stepped):
+        decoder.load(cache, mask)
+        assert torch.equal(decoder.decode(logits.argmax(-1), 4), want[:, 1:])
+    assert fake_cuda_graphs == ["capture"] + ["replay"] * 4
+
+
+@pytest.mark.parametrize("residual", _every_residual())
+def test_every_residual_decodes_through_the_graphed_step(fake_cuda_graphs, residual):
+    """``generate``'s default on CUDA captures the decode step of whatever residual the model
+    has - the baselines too, not only AttnRes: each one's step reads nothing back to the
+    host (the capture would refuse it) and replays to the dynamic cache's tokens."""
+    model = make_model(residual=residual).eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
+    assert fake_cuda_graphs == ["capture"] + ["replay"] * 5
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix", "lora"])
+def test_hf_generate_on_cuda_keeps_the_dynamic_cache_under_peft_prompt_learning(monkeypatch, method):
+    """On CUDA ``AttnResForCausalLM.generate`` asks for a static cache; under PEFT's prompt or
+    prefix tuning (peft 0.21) that failed in PEFT's inputs ("KeyError: 'cache_position'"; its
+    virtual tokens do not fit a cache sized for the prompt either), where the dynamic cache
+    generates (test_hf's PEFT tests): prompt learning keeps transformers' default; LoRA, whose
+    inputs are the model's own, gets the static cache."""
+    peft = pytest.importorskip("peft")
+    from test_static_decode import hf_twin
+    from transformers import GenerationMixin
+
+    from attnres.hf import AttnResForCausalLM
+
+    config = {"prompt": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+              "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+              "lora": lambda: peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"])}[method]()
+    adapted = peft.get_peft_model(hf_twin(make_model(residual="attnres_block").eval()), config)
+    seen = []
+    monkeypatch.setattr(GenerationMixin, "generate", lambda self, *a, **k: seen.append(k.get("cache_implementation")))
+    monkeypatch.setattr(AttnResForCausalLM, "device", property(lambda self: torch.device("cuda")))
+    adapted.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+    assert seen == [None if method in ("prompt", "prefix") else "static"]
+
+
+@pytest.mark.slow
+def test_compiled_decode_on_cuda_compiles_for_cuda_graphs_and_marks_each_step(monkeypatch):
+    """``decode="compiled"`` on CUDA compiles the step with ``mode="reduce-overhead"``
+    (Inductor's CUDA graphs; on the CPU Inductor leaves them out) and tells the graphs where
+    each step begins - the previous step's logits, read by then, may be overwritten: the
+    static step's tokens, a batch of another size too."""
+    from attnres.inference import static as static_module
+
+    marks = []
+    monkeypatch.setattr(static_module, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin",
+                        _bound(torch.compiler.cudagraph_mark_step_begin, lambda: marks.append(1)))
+    monkeypatch.setattr(static_module, "_COMPILED", {})
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    for rows in (3, 2):
+        marks.clear()
+        want = generate(model, ids[:rows], mask[:rows], max_new_tokens=5, decode="static")
+        assert torch.equal(generate(model, ids[:rows], mask[:rows], max_new_tokens=5, decode="compiled"), want)
+        assert len(marks) == 4
+    assert list(static_module._COMPILED) == ["reduce-overhead"]
+
+
+def test_a_cuda_out_of_memory_is_told_in_words():
+    """CUDA's caching allocator raises ``torch.OutOfMemoryError`` ("CUDA out of memory. Tried to
+    allocate 2.00 GiB. GPU 0 has ..."): training names the device, the allocation and what to
+    lower, as for the CPU's (test_first_use)."""
+    from attnres.train import TrainConfig
+    from attnres.train.loop import out_of_memory
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                   "79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process "
+                                   "has 78.12 GiB memory in use.")
+    said = str(out_of_memory(error, TrainConfig(batch_size=8, seq_len=64), torch.device("cuda", 0)))
+    assert said.startswith("out of memory on cuda:0: one micro-batch of batch_size 8 x seq_len 64 tokens"), said
+    assert "(an allocation of 2,048 MiB failed); lower batch_size" in said, said
+
+
+def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys):
+    """``attnres env`` where CUDA is available (the calls faked, bound against torch's): each
+    device by name and compute capability, and the Triton kernels for depth attention."""
+    from importlib import metadata
+
+    from attnres.cli import main as cli_main
+
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA A10"]
+    capabilities = [(9, 0), (8, 6)]
+    real = torch.cuda
+    for name, fake in {"is_available": lambda: True, "device_count": lambda: 2,
+                       "get_device_name": lambda device=None: names[device],
+                       "get_device_capability": lambda device=None: capabilities[device]}.items():
+        monkeypatch.setattr(torch.cuda, name, _bound(getattr(real, name), fake))
+    assert cli_main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "; cuda: NVIDIA H100 80GB HBM3 (sm_90), NVIDIA A10 (sm_86)\n" in text, text
+    try:
+        kernels = f"the Triton kernels (triton {metadata.version('triton')})"
+    except metadata.PackageNotFoundError:
+        kernels = "PyTorch (triton is not installed: pip install triton)"
+    assert f"\n  cuda   {kernels}\n" in text, text
+
+
+@pytest.mark.parametrize("warmup", [0, -1, 1.5, "2"])
+def test_a_graphed_decoder_warms_up_at_least_once(fake_cuda_graphs, warmup):
+    """``mode="graph"`` runs ``warmup`` eager steps before its capture, where the kernels are
+    compiled and their workspaces allocated (a capturing stream refuses both): 0 or a negative
+    number captured at once, a float or string failed in ``range``; refused, naming it."""
+    model = make_model(residual="attnres_block").eval()
+    with pytest.raises(ValueError, match=r"StaticDecoder: warmup \(the eager steps before a CUDA graph's capture\) "
+                                         rf"must be an integer >= 1 for mode='graph', got {re.escape(repr(warmup))}"):
+        StaticDecoder(model, 1, capacity=8, mode="graph", warmup=warmup)
+    assert fake_cuda_graphs == []
+    StaticDecoder(model, 1, capacity=8, mode="graph", warmup=1)
+    assert fake_cuda_graphs == ["capture"]
+
+
+def test_a_graphed_decoder_is_reused_across_prompts_and_rewound(fake_cuda_graphs):
+    """One graphed decoder for many batches of its size (what a benchmark or server keeps):
+    each ``load`` of another prefill, and a ``rewind``, decode what the eager decoder decodes
+    - one capture for all, as the weights did not change - and after the weights are replaced
+    (``model.to``-style), the next ``load`` captures again."""
+    model = make_model(residual="attnres_block").eval()
+    graphed, eager = (StaticDecoder(model, 3, capacity=7 + 6, mode=mode) for mode in ("graph", "eager"))
+    for seed in (1, 2):
+        ids, mask = ragged_prompts(seed=seed)
+        logits, cache = prefill(model, ids, mask)
+        outs = []
+        for decoder in (graphed, eager):
+            decoder.load(cache, mask)
+            first = decoder.decode(logits.argmax(-1), 5)
+            decoder.rewind(7 + 2)
+            outs.append(torch.cat([first, decoder.decode(first[:, 2], 3)], dim=1))
+        assert torch.equal(outs[0], outs[1])
+    assert fake_cuda_graphs.count("capture") == 1
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)
+    ids, mask = ragged_prompts()
+    logits, cache = prefill(model, ids, mask)
+    graphed.load(cache, mask)
+    eager.load(cache, mask)
+    assert fake_cuda_graphs.count("capture") == 2
+    assert torch.equal(graphed.decode(logits.argmax(-1), 5), eager.decode(logits.argmax(-1), 5))
+
+
+def test_a_graphed_decoder_warms_up_on_the_empty_cache(fake_cuda_graphs):
+    """A capacity smaller than ``warmup``: the warm-up steps wrote past the cache's end (on
+    CUDA a device-side assert, which ends the process's use of the GPU); each now runs on
+    the emptied cache, and the decoder decodes as the eager one."""
+    model = make_model(residual="attnres_block").eval()
+    ids = torch.randint(0, 256, (2, 1), generator=torch.Generator().manual_seed(3))
+    logits, cache = prefill(model, ids)
+    out = []
+    for mode, warmup in (("graph", 4), ("eager", 2)):
+        decoder = StaticDecoder(model, 2, capacity=2, mode=mode, warmup=warmup)
+        decoder.load(cache)
+        out.append(decoder.decode(logits.argmax(-1), 1))
+    assert torch.equal(out[0], out[1]) and fake_cuda_graphs == ["capture", "replay"]
+
+
+def test_a_torchrun_rank_on_cuda_joins_over_nccl_bound_to_its_gpu(monkeypatch):
+    """``init_distributed`` on CUDA (torchrun, two ranks; CUDA and the process group faked,
+    bound against torch's signatures): rank 1 takes ``cuda:LOCAL_RANK`` as its current
+    device and creates the group over NCCL with that ``device_id`` (a communicator bound to
+    its GPU), with the timeout asked."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from attnres.distributed import launch
+
+    made, current = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", _bound(torch.cuda.set_device, current.append))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(made))
+    monkeypatch.setattr(dist, "init_process_group", _bound(dist.init_process_group,
+                                                           lambda backend=None, **kwargs: made.append((backend, kwargs))))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(launch.atexit, "register", lambda fn, *args: fn)
+    ctx = launch.init_distributed("auto", timeout_s=30.0)
+    assert current == [1] and ctx.device == torch.device("cuda", 1) and ctx.backend == "nccl"
+    assert made == [("nccl", {"timeout": timedelta(seconds=30.0), "device_id": torch.device("cuda", 1)})]
+    assert (ctx.rank, ctx.world_size, ctx.timeout_s) == (1, 2, 30.0)
