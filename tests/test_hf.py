@@ -179,6 +179,24 @@ def test_a_single_block_is_warned_of_once_where_the_hf_config_is_stated(tmp_path
     assert len(single(lambda: AttnResConfig.from_model_config(native))) == 1
 
 
+@pytest.mark.parametrize("kind", ["standard", "attnres_full"])
+def test_an_attnres_config_of_a_config_read_back_does_not_warn_of_the_presets_block_size(kind):
+    """``AttnResConfig(**config.to_dict())`` of ``ModelConfig.preset("tiny", residual=kind)`` (and of
+    the AttnResConfig made of it) warned of the preset's own block size, a field the user never
+    wrote: the residual, completed with every field, was checked as the user's. What the user
+    gives is what it was given, before it is completed; a mapping of every field is a config
+    read back. The user's own block size still warns."""
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    native = ModelConfig.preset("tiny", residual=kind)
+    made = []
+    assert unread(lambda: made.append(AttnResConfig(**native.to_dict()))) == []
+    assert unread(lambda: AttnResConfig(**made[0].to_dict())) == []
+    said = unread(lambda: AttnResConfig(**{**native.to_dict(), "residual": {"kind": kind, "block_size": 3}}))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=3 is read only by attnres_block"), said
+
+
 def test_a_residual_field_given_to_from_pretrained_that_its_variant_does_not_read_is_warned_of_once(tmp_path):
     """``from_pretrained(dir, residual={"block_size": 8})`` of a Full AttnRes export: the stored
     config.json is read quietly, and the block size the user gave with it was read quietly too -

@@ -17,6 +17,7 @@ from conftest import (
     make_model,
     twin_with_schedule,
 )
+from warning_checks import warned
 from torch.func import functional_call
 
 import attnres
@@ -541,6 +542,29 @@ def test_registered_variant_names_are_the_allowed_residuals():
         ModelConfig(residual="nope")
     for name in registered_residuals():
         assert repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["standard", "attnres_full"])
+def test_a_config_read_back_does_not_warn_of_residual_fields_no_one_wrote(kind):
+    """``ModelConfig(**config.to_dict())`` and ``TrainConfig(model=config.to_dict())`` of
+    ``ModelConfig.preset("tiny", residual=kind)`` warned of the preset's own block size, a field
+    the user never wrote (``preset`` keeps it quietly), and ``TrainConfig`` of the defaults
+    ``hc_streams=4`` and ``sinkhorn_iters=20`` too: three warnings. A residual mapping of every
+    field, as ``to_dict()`` and config.json write it, is a config read back: not warned of. A
+    field the user states is, beside it or over it (ModelConfig, TrainConfig, a preset's
+    overrides)."""
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    config = ModelConfig.preset("tiny", residual=kind)
+    assert unread(lambda: ModelConfig(**config.to_dict())) == []
+    assert unread(lambda: TrainConfig(model=config.to_dict())) == []
+    assert unread(lambda: ModelConfig.preset("tiny", **config.to_dict())) == []
+    own = {**config.to_dict(), "residual": {"kind": kind, "block_size": 3}}
+    for call in (lambda: ModelConfig(**own), lambda: TrainConfig(model=own), lambda: ModelConfig.preset("tiny", **own),
+                 lambda: ModelConfig.preset("tiny", **config.to_dict(), attnres_block_size=3)):
+        said = unread(call)
+        assert len(said) == 1 and said[0].startswith("model.residual.block_size=3 is read only by attnres_block"), said
 
 
 def test_legacy_flat_keys_load_with_a_deprecation_warning():

@@ -13,6 +13,7 @@ without a warning (the user never wrote them); one without any residual settings
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -20,7 +21,7 @@ import types
 from transformers import PretrainedConfig
 
 from ..checkpoint.locate import refuse_loading_training_output
-from ..models.config import ModelConfig, read_quietly, residual_fields_given, stated
+from ..models.config import ModelConfig, read_back, read_quietly, residual_fields_stated, stated
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
@@ -68,6 +69,9 @@ class _AttnResConfigMethods(SavesAutoMap):
         self._single_block_said = single_block_said(self.residual) if isinstance(self.residual, ResidualConfig) else None
         module = saved_residual_module(kwargs, NATIVE_KEY)
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
+        # (before it is completed: AttnResConfig(**config.to_dict()) is a config read back, whose residual fields - the
+        # preset's block size under residual="standard" - were warned of where it was stated, if they were the user's)
+        read = read_back(self.residual) and not legacy
         _check_extra_keys(self, kwargs)
         if legacy:
             self.residual = migrate_model_keys({"residual": self.residual, **legacy}, "AttnResConfig")["residual"]
@@ -83,7 +87,8 @@ class _AttnResConfigMethods(SavesAutoMap):
                 "set tie_embeddings (the attnres field) only"
             )
         super().__post_init__(**kwargs)
-        with naming_residual_module(module, self.residual["kind"], NATIVE_KEY):
+        with naming_residual_module(module, self.residual["kind"], NATIVE_KEY), \
+                read_quietly() if read else contextlib.nullcontext():
             # (validates every field, naming the bad one; built as ModelConfig(...) is, it warns of a residual field
             # its variant does not read, as the user's statement - from_dict's config.json and from_model_config's
             # native config, read quietly, were warned of where they were stated)
@@ -133,7 +138,7 @@ class _AttnResConfigMethods(SavesAutoMap):
             stored = {**migrate_model_keys(config_dict, "AttnResConfig"), **legacy}
         # (the residual fields the kwargs give are the user's statement: from_pretrained(dir, residual={"block_size":
         # 8}) of a Full AttnRes export loaded as if S were not there, read quietly with the stored config.json)
-        given = residual_fields_given({"residual": kwargs.get("residual"), **legacy})
+        given = residual_fields_stated({"residual": kwargs.get("residual"), **legacy})
         if "residual" in kwargs:  # (transformers sets a kwarg as the whole attribute, unchecked: the stored block
             # size went back to its default without a word, into weights of the same shapes, or a KeyError 'kind')
             stored["residual"] = merge_residual(stored.get("residual"), kwargs.pop("residual"))

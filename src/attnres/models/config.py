@@ -18,7 +18,8 @@ from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "read_quietly",
-           "readers_in_words", "residual_fields_given", "stated", "warn_unread_residual_fields"]
+           "read_back", "readers_in_words", "residual_fields_given", "residual_fields_stated", "stated",
+           "warn_unread_residual_fields"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
@@ -50,6 +51,28 @@ def residual_fields_given(spec: Any) -> set[str]:
                     if path[0] in VARIANT_FIELDS and spec.get(key) is not None}
 
 
+def read_back(residual: Any) -> bool:
+    """Whether ``residual`` (a model's ``residual`` as given) is a mapping of every
+    ``ResidualConfig`` field, as ``to_dict()``, a ``config.json`` and ``--print-config`` write it:
+    a config read back (``ModelConfig(**config.to_dict())``, ``TrainConfig(model=config.to_dict())``),
+    whose fields were warned of where it was stated, and which holds those no one wrote: the
+    preset's block size under ``preset("tiny", residual="standard")``, ``hc_streams=4``. A
+    mapping of every field written by hand is taken for one too, and not warned of: a user
+    writes the fields they mean (an ``options`` and an ``ablation`` of their own besides)."""
+    return isinstance(residual, dict) and _RESIDUAL_DEFAULTS.keys() <= residual.keys()
+
+
+def residual_fields_stated(spec: Any) -> set[str]:
+    """:func:`residual_fields_given` of a model section stated in Python (``preset(name,
+    **overrides)``, ``TrainConfig(model={...})``, ``from_pretrained(dir, residual={...})``),
+    without the fields of a residual mapping read back (:func:`read_back`); the flat keys of
+    earlier versions given beside it are the user's. (A config file's are the file's:
+    ``load_config`` takes :func:`residual_fields_given`.)"""
+    if isinstance(spec, dict) and read_back(spec.get("residual")):
+        spec = {k: v for k, v in spec.items() if k != "residual"}
+    return residual_fields_given(spec)
+
+
 def warn_unread_residual_fields(given: set[str], config: ModelConfig | ResidualConfig) -> None:
     """Warn once for each of ``given`` (:func:`residual_fields_given`) that ``config``'s variant
     does not read: ``residual.kind=attnres_full`` with ``residual.block_size=4`` trained as if
@@ -62,7 +85,10 @@ def warn_unread_residual_fields(given: set[str], config: ModelConfig | ResidualC
     preset's own: :func:`stated`), ``load_config`` (the config file's and the overrides'
     fields), ``attnres train`` (the same, checked against the config it trains: a resume
     without a config file the run's own), ``AttnResConfig(...)``, ``upcycle(...)`` and
-    ``AttnResConfig.from_pretrained(dir, residual={...})`` (the keyword's fields).
+    ``AttnResConfig.from_pretrained(dir, residual={...})`` (the keyword's fields). In Python, a
+    residual mapping of every field is a config read back (``ModelConfig(**config.to_dict())``,
+    ``TrainConfig(model=config.to_dict())``, ``AttnResConfig(**config.to_dict())``): none of its
+    fields is the user's statement (:func:`read_back`).
     ``from_dict`` and ``replace`` say nothing (:func:`read_quietly`): they read stored configs
     and config files, and keep the fields a change of variant leaves, as documented.
     ``config``: a ``ModelConfig``, or the ``ResidualConfig`` alone (``upcycle``'s)."""
@@ -183,9 +209,10 @@ class ModelConfig:
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        given = self.residual  # (a mapping read back is no statement: ModelConfig(**config.to_dict()))
         self.residual = ResidualConfig.from_value(self.residual)
         self.validate()
-        if not _quiet():  # (built in Python: the user's own statement)
+        if not _quiet() and not read_back(given):  # (built in Python: the user's own statement)
             warn_unread_residual_fields(_fields_set(self.residual), self)
 
     def __getattr__(self, name: str) -> Any:
@@ -306,7 +333,7 @@ class ModelConfig:
             raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")
         changes = migrate_model_keys(overrides)
         # (the user's statement: the residual fields the overrides give are warned of, not the preset's block size)
-        return stated(lambda: cls.from_dict(_merge(PRESETS[name], changes)), residual_fields_given(changes))
+        return stated(lambda: cls.from_dict(_merge(PRESETS[name], changes)), residual_fields_stated(overrides))
 
 
 def require_model_config(config: Any, who: str) -> None:
