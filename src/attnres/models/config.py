@@ -40,12 +40,17 @@ READ_BY_SOME_KINDS = frozenset(f"residual.{name}" for name in VARIANT_FIELDS)
 def residual_fields_given(spec: Any) -> set[str]:
     """The fields of :data:`VARIANT_FIELDS` that a model section (a config file's ``model``
     mapping with the overrides applied) gives a value: in ``residual`` or by the flat keys of
-    earlier versions (``attnres_block_size``). ``null`` (the derived default) is not a value."""
+    earlier versions (``attnres_block_size``). ``null`` (the derived default) is not a value;
+    nor is a default in a ``residual`` of every field (:func:`read_back`: a ``--print-config``
+    dump used as a config file warned of its ``hc_streams: 4`` and ``sinkhorn_iters: 20``), whose
+    fields are those other than the defaults, as a ``ResidualConfig``'s."""
     if not isinstance(spec, dict):
         return set()
     residual = spec.get("residual")
     if isinstance(residual, ResidualConfig):  # (preset("tiny", residual=ResidualConfig(...)) in Python)
         return _fields_set(residual)
+    if read_back(residual):
+        residual = {name: value for name, value in residual.items() if value != _RESIDUAL_DEFAULTS.get(name)}
     given = {name for name in VARIANT_FIELDS if isinstance(residual, dict) and residual.get(name) is not None}
     return given | {path[0] for key, path in FLAT_RESIDUAL_KEYS.items()
                     if path[0] in VARIANT_FIELDS and spec.get(key) is not None}
@@ -54,11 +59,13 @@ def residual_fields_given(spec: Any) -> set[str]:
 def read_back(residual: Any) -> bool:
     """Whether ``residual`` (a model's ``residual`` as given) is a mapping of every
     ``ResidualConfig`` field, as ``to_dict()``, a ``config.json`` and ``--print-config`` write it:
-    a config read back (``ModelConfig(**config.to_dict())``, ``TrainConfig(model=config.to_dict())``),
-    whose fields were warned of where it was stated, and which holds those no one wrote: the
-    preset's block size under ``preset("tiny", residual="standard")``, ``hc_streams=4``. A
-    mapping of every field written by hand is taken for one too, and not warned of: a user
-    writes the fields they mean (an ``options`` and an ``ablation`` of their own besides)."""
+    in Python, a config read back (``ModelConfig(**config.to_dict())``, ``TrainConfig(model=
+    config.to_dict())``), whose fields were warned of where it was stated, and which holds those
+    no one wrote: the preset's block size under ``preset("tiny", residual="standard")``,
+    ``hc_streams=4``. A mapping of every field written by hand is taken for one too, and not
+    warned of: a user writes the fields they mean (an ``options`` and an ``ablation`` of their
+    own besides). (A config file of every field is the user's file: :func:`residual_fields_given`
+    counts its fields other than the defaults.)"""
     return isinstance(residual, dict) and _RESIDUAL_DEFAULTS.keys() <= residual.keys()
 
 
