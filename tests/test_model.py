@@ -567,6 +567,28 @@ def test_a_config_read_back_does_not_warn_of_residual_fields_no_one_wrote(kind):
         assert len(said) == 1 and said[0].startswith("model.residual.block_size=3 is read only by attnres_block"), said
 
 
+def test_a_config_built_again_of_the_same_residual_is_no_new_statement():
+    """``dataclasses.replace(config, n_layers=4)`` and ``ModelConfig(residual=config.residual)``
+    of ``ModelConfig.preset("tiny", residual="standard")`` warned of the preset's own block size
+    (the first at a line of dataclasses.py): the ResidualConfig, checked when the config was
+    made, was checked again as the user's statement. Once per object, as the single block; a
+    field changed since is warned of."""
+    import dataclasses
+
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    config = ModelConfig.preset("tiny", residual="standard")
+    assert unread(lambda: dataclasses.replace(config, n_layers=4)) == []
+    assert unread(lambda: ModelConfig(residual=config.residual)) == []
+    own = ResidualConfig(kind="attnres_full", block_size=4)
+    assert len(unread(lambda: ModelConfig(residual=own))) == 1
+    assert unread(lambda: ModelConfig(residual=own, n_layers=4)) == []
+    own.block_size = 3
+    said = unread(lambda: ModelConfig(residual=own))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=3 is read only by attnres_block"), said
+
+
 def test_a_printed_config_used_as_a_config_file_warns_only_of_what_its_overrides_state(tmp_path):
     """``attnres train --print-config`` writes every residual field; the printed config given
     back as ``--config`` warned of its ``hc_streams: 4`` and ``sinkhorn_iters: 20`` (defaults no

@@ -87,7 +87,8 @@ def warn_unread_residual_fields(given: set[str], config: ModelConfig | ResidualC
     config, and a run may be resumed as a variant that reads it (allow_residual_change).
 
     The one warning of it, given where the user states the config: ``ModelConfig(...)`` built
-    in Python (the fields it holds other than their defaults), ``preset(name, **overrides)``
+    in Python (the fields it holds other than their defaults; once per ``ResidualConfig``
+    object, :data:`_SAID_UNREAD`: not again by ``dataclasses.replace(config, ...)``), ``preset(name, **overrides)``
     and ``TrainConfig(model={...})`` (the fields the overrides or the mapping give, not the
     preset's own: :func:`stated`), ``load_config`` (the config file's and the overrides'
     fields), ``attnres train`` (the same, checked against the config it trains: a resume
@@ -166,6 +167,20 @@ def _fields_set(residual: ResidualConfig) -> set[str]:
     return {name for name in VARIANT_FIELDS if getattr(residual, name) != _RESIDUAL_DEFAULTS[name]}
 
 
+#: The attribute a ``ResidualConfig`` holds once a ``ModelConfig`` of it was checked for the
+#: residual fields its variant does not read (warned of, or read quietly): its kind and those
+#: fields' values. Another ``ModelConfig`` built of the same object - ``dataclasses.replace(config,
+#: n_layers=4)``, ``ModelConfig(residual=config.residual)`` - is no new statement: they warned of
+#: the preset's own block size under ``preset("tiny", residual="standard")``. A field changed
+#: since is (the mark no longer matches), as Block AttnRes' single-block mark.
+_SAID_UNREAD = "_attnres_unread_said"
+
+
+def _unread_checked(residual: ResidualConfig) -> tuple[Any, ...]:
+    """What :data:`_SAID_UNREAD` records of ``residual``."""
+    return (residual.kind, *(getattr(residual, name) for name in VARIANT_FIELDS))
+
+
 @dataclass
 class ModelConfig:
     """Configuration of :class:`attnres.AttnResLM`, a Llama-style decoder.
@@ -219,8 +234,11 @@ class ModelConfig:
         given = self.residual  # (a mapping read back is no statement: ModelConfig(**config.to_dict()))
         self.residual = ResidualConfig.from_value(self.residual)
         self.validate()
-        if not _quiet() and not read_back(given):  # (built in Python: the user's own statement)
+        checked = _unread_checked(self.residual)
+        said = vars(self.residual).get(_SAID_UNREAD) == checked  # (vars: ResidualConfig.__getattr__ answers old names)
+        if not _quiet() and not read_back(given) and not said:  # (built in Python: the user's own statement)
             warn_unread_residual_fields(_fields_set(self.residual), self)
+        vars(self.residual)[_SAID_UNREAD] = checked  # (after it: a warning raised as an error is raised again)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes that do not exist: the deprecated flat residual keys.
