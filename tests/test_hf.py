@@ -142,6 +142,61 @@ def test_an_attnres_config_built_in_python_warns_of_a_field_its_variant_does_not
     assert unread(lambda: AttnResConfig(residual={"kind": "attnres_block", "block_size": 4})) == []
 
 
+def test_a_single_block_is_warned_of_once_where_the_hf_config_is_stated(tmp_path):
+    """Block AttnRes' single block (block_size=4 of 2 layers: 4 sublayers) is warned of once per
+    statement on the native paths; the Hugging Face ones built a new ResidualConfig at each
+    ``to_model_config()``, which the mark of the statement did not cover: ``AttnResConfig(...)``
+    then ``AutoModelForCausalLM.from_config(config)`` warned twice (two lines, both shown by
+    Python's default filter), ``from_model_config(native)`` after the native config again,
+    ``from_pretrained(dir)`` twice. Once each, where it is stated. A block size changed after
+    the config was built is another statement, warned of; the mark is no field (config.json,
+    ``==``)."""
+    from transformers import AutoModelForCausalLM
+
+    def single(call) -> list[str]:
+        return warned(call, "single block")
+
+    fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
+    made = []
+    assert len(single(lambda: made.append(AttnResConfig(**fields, residual={"block_size": 4})))) == 1
+    config = made[0]
+    assert single(lambda: made.append(AutoModelForCausalLM.from_config(config))) == []
+    assert single(config.to_model_config) == []
+    assert len(single(lambda: made.append(ModelConfig(**fields, residual={"block_size": 4})))) == 1
+    native = made[-1]
+    assert single(lambda: made.append(AttnResConfig.from_model_config(native))) == []
+    assert single(lambda: AttnResForCausalLM(made[-1])) == []
+    made[1].save_pretrained(tmp_path)
+    assert "_single_block_said" not in (tmp_path / "config.json").read_text()
+    assert len(single(lambda: AutoModelForCausalLM.from_pretrained(tmp_path))) == 1
+    config.residual["block_size"] = 8
+    assert len(single(lambda: AutoModelForCausalLM.from_config(config))) == 1
+    other = AttnResConfig(**fields, residual={"block_size": 2})  # (no single block said)
+    other.residual["block_size"] = 8
+    assert len(single(lambda: made.append(AttnResConfig(**fields, residual={"block_size": 8})))) == 1
+    assert other == made[-1]
+    native.residual.block_size = 8
+    assert len(single(lambda: AttnResConfig.from_model_config(native))) == 1
+
+
+@pytest.mark.parametrize("kind", ["standard", "attnres_full"])
+def test_an_attnres_config_of_a_config_read_back_does_not_warn_of_the_presets_block_size(kind):
+    """``AttnResConfig(**config.to_dict())`` of ``ModelConfig.preset("tiny", residual=kind)`` (and of
+    the AttnResConfig made of it) warned of the preset's own block size, a field the user never
+    wrote: the residual, completed with every field, was checked as the user's. What the user
+    gives is what it was given, before it is completed; a mapping of every field is a config
+    read back. The user's own block size still warns."""
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    native = ModelConfig.preset("tiny", residual=kind)
+    made = []
+    assert unread(lambda: made.append(AttnResConfig(**native.to_dict()))) == []
+    assert unread(lambda: AttnResConfig(**made[0].to_dict())) == []
+    said = unread(lambda: AttnResConfig(**{**native.to_dict(), "residual": {"kind": kind, "block_size": 3}}))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=3 is read only by attnres_block"), said
+
+
 def test_a_residual_field_given_to_from_pretrained_that_its_variant_does_not_read_is_warned_of_once(tmp_path):
     """``from_pretrained(dir, residual={"block_size": 8})`` of a Full AttnRes export: the stored
     config.json is read quietly, and the block size the user gave with it was read quietly too -

@@ -17,6 +17,7 @@ from conftest import (
     make_model,
     twin_with_schedule,
 )
+from warning_checks import warned
 from torch.func import functional_call
 
 import attnres
@@ -541,6 +542,71 @@ def test_registered_variant_names_are_the_allowed_residuals():
         ModelConfig(residual="nope")
     for name in registered_residuals():
         assert repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["standard", "attnres_full"])
+def test_a_config_read_back_does_not_warn_of_residual_fields_no_one_wrote(kind):
+    """``ModelConfig(**config.to_dict())`` and ``TrainConfig(model=config.to_dict())`` of
+    ``ModelConfig.preset("tiny", residual=kind)`` warned of the preset's own block size, a field
+    the user never wrote (``preset`` keeps it quietly), and ``TrainConfig`` of the defaults
+    ``hc_streams=4`` and ``sinkhorn_iters=20`` too: three warnings. A residual mapping of every
+    field, as ``to_dict()`` and config.json write it, is a config read back: not warned of. A
+    field the user states is, beside it or over it (ModelConfig, TrainConfig, a preset's
+    overrides)."""
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    config = ModelConfig.preset("tiny", residual=kind)
+    assert unread(lambda: ModelConfig(**config.to_dict())) == []
+    assert unread(lambda: TrainConfig(model=config.to_dict())) == []
+    assert unread(lambda: ModelConfig.preset("tiny", **config.to_dict())) == []
+    own = {**config.to_dict(), "residual": {"kind": kind, "block_size": 3}}
+    for call in (lambda: ModelConfig(**own), lambda: TrainConfig(model=own), lambda: ModelConfig.preset("tiny", **own),
+                 lambda: ModelConfig.preset("tiny", **config.to_dict(), attnres_block_size=3)):
+        said = unread(call)
+        assert len(said) == 1 and said[0].startswith("model.residual.block_size=3 is read only by attnres_block"), said
+
+
+def test_a_config_built_again_of_the_same_residual_is_no_new_statement():
+    """``dataclasses.replace(config, n_layers=4)`` and ``ModelConfig(residual=config.residual)``
+    of ``ModelConfig.preset("tiny", residual="standard")`` warned of the preset's own block size
+    (the first at a line of dataclasses.py): the ResidualConfig, checked when the config was
+    made, was checked again as the user's statement. Once per object, as the single block; a
+    field changed since is warned of."""
+    import dataclasses
+
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    config = ModelConfig.preset("tiny", residual="standard")
+    assert unread(lambda: dataclasses.replace(config, n_layers=4)) == []
+    assert unread(lambda: ModelConfig(residual=config.residual)) == []
+    own = ResidualConfig(kind="attnres_full", block_size=4)
+    assert len(unread(lambda: ModelConfig(residual=own))) == 1
+    assert unread(lambda: ModelConfig(residual=own, n_layers=4)) == []
+    own.block_size = 3
+    said = unread(lambda: ModelConfig(residual=own))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=3 is read only by attnres_block"), said
+
+
+def test_a_printed_config_used_as_a_config_file_warns_only_of_what_its_overrides_state(tmp_path):
+    """``attnres train --print-config`` writes every residual field; the printed config given
+    back as ``--config`` warned of its ``hc_streams: 4`` and ``sinkhorn_iters: 20`` (defaults no
+    one wrote) under the default Block AttnRes. A residual section of every field gives its
+    fields other than the defaults; a field its variant does not read that an override states
+    still warns, once."""
+    from attnres.train.config import load_config, yaml_dump
+
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(yaml_dump(load_config(None, []).to_dict()))
+    assert unread(lambda: load_config(printed)) == []
+    for overrides, name in ((["model.residual.hc_streams=8"], "hc_streams=8"),
+                            (["model.residual.kind=attnres_full", "model.residual.block_size=8"], "block_size=8")):
+        said = unread(lambda: load_config(printed, overrides))
+        assert len(said) == 1 and said[0].startswith(f"model.residual.{name} is read only by "), said
 
 
 def test_legacy_flat_keys_load_with_a_deprecation_warning():

@@ -13,6 +13,7 @@ without a warning (the user never wrote them); one without any residual settings
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -20,12 +21,13 @@ import types
 from transformers import PretrainedConfig
 
 from ..checkpoint.locate import refuse_loading_training_output
-from ..models.config import ModelConfig, read_quietly, residual_fields_given, stated
+from ..models.config import ModelConfig, read_back, read_quietly, residual_fields_stated, stated
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
 from .families.remote_code import SavesAutoMap
 from .families.residual_module import NATIVE_KEY, naming_residual_module, saved_residual_module
+from ..nn.residual.block import keep_single_block_said, single_block_said
 from ..nn.residual.config import ResidualConfig, merge_residual
 from .families.build import FIELD_HF_NAMES
 
@@ -46,6 +48,12 @@ class _AttnResConfigMethods(SavesAutoMap):
     """The behaviour of :class:`AttnResConfig` (its fields are generated below)."""
 
     RESIDUAL_MODULE_KEY = NATIVE_KEY
+    # The (block_size, n_sublayers) of Block AttnRes' single-block warning given of this config
+    # (nn.residual.block.single_block_said): to_model_config() builds a new ResidualConfig each
+    # time, which warned again of what the user stated once (AutoModelForCausalLM.from_config(
+    # config) twice, from_pretrained twice). A slot, not an attribute: transformers' to_dict,
+    # __eq__ and config.json read __dict__, and this is no field of the model.
+    __slots__ = ("_single_block_said",)
 
     @classmethod
     def auto_classes(cls) -> tuple[str, dict[str, str]]:
@@ -57,8 +65,13 @@ class _AttnResConfigMethods(SavesAutoMap):
         return self.residual["kind"]
 
     def __post_init__(self, **kwargs) -> None:
+        # (a ResidualConfig given, from_model_config's native one, was warned of its single block where it was stated)
+        self._single_block_said = single_block_said(self.residual) if isinstance(self.residual, ResidualConfig) else None
         module = saved_residual_module(kwargs, NATIVE_KEY)
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
+        # (before it is completed: AttnResConfig(**config.to_dict()) is a config read back, whose residual fields - the
+        # preset's block size under residual="standard" - were warned of where it was stated, if they were the user's)
+        read = read_back(self.residual) and not legacy
         _check_extra_keys(self, kwargs)
         if legacy:
             self.residual = migrate_model_keys({"residual": self.residual, **legacy}, "AttnResConfig")["residual"]
@@ -74,11 +87,12 @@ class _AttnResConfigMethods(SavesAutoMap):
                 "set tie_embeddings (the attnres field) only"
             )
         super().__post_init__(**kwargs)
-        with naming_residual_module(module, self.residual["kind"], NATIVE_KEY):
+        with naming_residual_module(module, self.residual["kind"], NATIVE_KEY), \
+                read_quietly() if read else contextlib.nullcontext():
             # (validates every field, naming the bad one; built as ModelConfig(...) is, it warns of a residual field
             # its variant does not read, as the user's statement - from_dict's config.json and from_model_config's
             # native config, read quietly, were warned of where they were stated)
-            ModelConfig(**self._model_fields())
+            self._checked(ModelConfig(**self._model_fields()))
 
     @property
     def kv_heads(self) -> int:
@@ -124,7 +138,7 @@ class _AttnResConfigMethods(SavesAutoMap):
             stored = {**migrate_model_keys(config_dict, "AttnResConfig"), **legacy}
         # (the residual fields the kwargs give are the user's statement: from_pretrained(dir, residual={"block_size":
         # 8}) of a Full AttnRes export loaded as if S were not there, read quietly with the stored config.json)
-        given = residual_fields_given({"residual": kwargs.get("residual"), **legacy})
+        given = residual_fields_stated({"residual": kwargs.get("residual"), **legacy})
         if "residual" in kwargs:  # (transformers sets a kwarg as the whole attribute, unchecked: the stored block
             # size went back to its default without a word, into weights of the same shapes, or a KeyError 'kind')
             stored["residual"] = merge_residual(stored.get("residual"), kwargs.pop("residual"))
@@ -150,19 +164,31 @@ class _AttnResConfigMethods(SavesAutoMap):
         return {k: v for k, v in super().to_diff_dict().items() if k not in HF_NAMES}
 
     def to_model_config(self) -> ModelConfig:
-        """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field)."""
-        return ModelConfig.from_dict(self._model_fields())
+        """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field). Its
+        single block is not warned of again where this config was (a field changed since is)."""
+        return self._checked(ModelConfig.from_dict(self._model_fields()))
 
     def _model_fields(self) -> dict:
-        """The :class:`attnres.ModelConfig` fields this config holds."""
+        """The :class:`attnres.ModelConfig` fields this config holds; ``residual`` as a
+        ``ResidualConfig`` that keeps what was warned of this config (:meth:`_checked`)."""
         fields = {name: getattr(self, name) for name in _MODEL_FIELDS}
-        return {k: v for k, v in fields.items() if not (k in _FACTORY_FIELDS and v is None)}
+        fields = {k: v for k, v in fields.items() if not (k in _FACTORY_FIELDS and v is None)}
+        if "residual" in fields:
+            fields["residual"] = residual = ResidualConfig.from_value(merge_residual(None, fields["residual"]))
+            keep_single_block_said(residual, getattr(self, "_single_block_said", None))
+        return fields
+
+    def _checked(self, native: ModelConfig) -> ModelConfig:
+        """``native`` (built of :meth:`_model_fields`), whose single-block warning, given or
+        not, this config keeps for the next one built."""
+        self._single_block_said = single_block_said(native.residual)
+        return native
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs) -> AttnResConfig:
         """Build from a native config; ``kwargs`` set HF fields (e.g. ``eos_token_id``)."""
-        with read_quietly():  # (the native config was warned of where it was stated)
-            return cls(**config.to_dict(), **kwargs)
+        with read_quietly():  # (the native config was warned of where it was stated: its residual keeps the mark)
+            return cls(**{**config.to_dict(), "residual": config.residual}, **kwargs)
 
 
 def _check_extra_keys(config, extra: dict) -> None:

@@ -18,7 +18,8 @@ from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "read_quietly",
-           "readers_in_words", "residual_fields_given", "stated", "warn_unread_residual_fields"]
+           "read_back", "readers_in_words", "residual_fields_given", "residual_fields_stated", "stated",
+           "warn_unread_residual_fields"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
@@ -39,15 +40,44 @@ READ_BY_SOME_KINDS = frozenset(f"residual.{name}" for name in VARIANT_FIELDS)
 def residual_fields_given(spec: Any) -> set[str]:
     """The fields of :data:`VARIANT_FIELDS` that a model section (a config file's ``model``
     mapping with the overrides applied) gives a value: in ``residual`` or by the flat keys of
-    earlier versions (``attnres_block_size``). ``null`` (the derived default) is not a value."""
+    earlier versions (``attnres_block_size``). ``null`` (the derived default) is not a value;
+    nor is a default in a ``residual`` of every field (:func:`read_back`: a ``--print-config``
+    dump used as a config file warned of its ``hc_streams: 4`` and ``sinkhorn_iters: 20``), whose
+    fields are those other than the defaults, as a ``ResidualConfig``'s."""
     if not isinstance(spec, dict):
         return set()
     residual = spec.get("residual")
     if isinstance(residual, ResidualConfig):  # (preset("tiny", residual=ResidualConfig(...)) in Python)
         return _fields_set(residual)
+    if read_back(residual):
+        residual = {name: value for name, value in residual.items() if value != _RESIDUAL_DEFAULTS.get(name)}
     given = {name for name in VARIANT_FIELDS if isinstance(residual, dict) and residual.get(name) is not None}
     return given | {path[0] for key, path in FLAT_RESIDUAL_KEYS.items()
                     if path[0] in VARIANT_FIELDS and spec.get(key) is not None}
+
+
+def read_back(residual: Any) -> bool:
+    """Whether ``residual`` (a model's ``residual`` as given) is a mapping of every
+    ``ResidualConfig`` field, as ``to_dict()``, a ``config.json`` and ``--print-config`` write it:
+    in Python, a config read back (``ModelConfig(**config.to_dict())``, ``TrainConfig(model=
+    config.to_dict())``), whose fields were warned of where it was stated, and which holds those
+    no one wrote: the preset's block size under ``preset("tiny", residual="standard")``,
+    ``hc_streams=4``. A mapping of every field written by hand is taken for one too, and not
+    warned of: a user writes the fields they mean (an ``options`` and an ``ablation`` of their
+    own besides). (A config file of every field is the user's file: :func:`residual_fields_given`
+    counts its fields other than the defaults.)"""
+    return isinstance(residual, dict) and _RESIDUAL_DEFAULTS.keys() <= residual.keys()
+
+
+def residual_fields_stated(spec: Any) -> set[str]:
+    """:func:`residual_fields_given` of a model section stated in Python (``preset(name,
+    **overrides)``, ``TrainConfig(model={...})``, ``from_pretrained(dir, residual={...})``),
+    without the fields of a residual mapping read back (:func:`read_back`); the flat keys of
+    earlier versions given beside it are the user's. (A config file's are the file's:
+    ``load_config`` takes :func:`residual_fields_given`.)"""
+    if isinstance(spec, dict) and read_back(spec.get("residual")):
+        spec = {k: v for k, v in spec.items() if k != "residual"}
+    return residual_fields_given(spec)
 
 
 def warn_unread_residual_fields(given: set[str], config: ModelConfig | ResidualConfig) -> None:
@@ -57,12 +87,16 @@ def warn_unread_residual_fields(given: set[str], config: ModelConfig | ResidualC
     config, and a run may be resumed as a variant that reads it (allow_residual_change).
 
     The one warning of it, given where the user states the config: ``ModelConfig(...)`` built
-    in Python (the fields it holds other than their defaults), ``preset(name, **overrides)``
+    in Python (the fields it holds other than their defaults; once per ``ResidualConfig``
+    object, :data:`_SAID_UNREAD`: not again by ``dataclasses.replace(config, ...)``), ``preset(name, **overrides)``
     and ``TrainConfig(model={...})`` (the fields the overrides or the mapping give, not the
     preset's own: :func:`stated`), ``load_config`` (the config file's and the overrides'
     fields), ``attnres train`` (the same, checked against the config it trains: a resume
     without a config file the run's own), ``AttnResConfig(...)``, ``upcycle(...)`` and
-    ``AttnResConfig.from_pretrained(dir, residual={...})`` (the keyword's fields).
+    ``AttnResConfig.from_pretrained(dir, residual={...})`` (the keyword's fields). In Python, a
+    residual mapping of every field is a config read back (``ModelConfig(**config.to_dict())``,
+    ``TrainConfig(model=config.to_dict())``, ``AttnResConfig(**config.to_dict())``): none of its
+    fields is the user's statement (:func:`read_back`).
     ``from_dict`` and ``replace`` say nothing (:func:`read_quietly`): they read stored configs
     and config files, and keep the fields a change of variant leaves, as documented.
     ``config``: a ``ModelConfig``, or the ``ResidualConfig`` alone (``upcycle``'s)."""
@@ -133,6 +167,20 @@ def _fields_set(residual: ResidualConfig) -> set[str]:
     return {name for name in VARIANT_FIELDS if getattr(residual, name) != _RESIDUAL_DEFAULTS[name]}
 
 
+#: The attribute a ``ResidualConfig`` holds once a ``ModelConfig`` of it was checked for the
+#: residual fields its variant does not read (warned of, or read quietly): its kind and those
+#: fields' values. Another ``ModelConfig`` built of the same object - ``dataclasses.replace(config,
+#: n_layers=4)``, ``ModelConfig(residual=config.residual)`` - is no new statement: they warned of
+#: the preset's own block size under ``preset("tiny", residual="standard")``. A field changed
+#: since is (the mark no longer matches), as Block AttnRes' single-block mark.
+_SAID_UNREAD = "_attnres_unread_said"
+
+
+def _unread_checked(residual: ResidualConfig) -> tuple[Any, ...]:
+    """What :data:`_SAID_UNREAD` records of ``residual``."""
+    return (residual.kind, *(getattr(residual, name) for name in VARIANT_FIELDS))
+
+
 @dataclass
 class ModelConfig:
     """Configuration of :class:`attnres.AttnResLM`, a Llama-style decoder.
@@ -183,10 +231,14 @@ class ModelConfig:
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        given = self.residual  # (a mapping read back is no statement: ModelConfig(**config.to_dict()))
         self.residual = ResidualConfig.from_value(self.residual)
         self.validate()
-        if not _quiet():  # (built in Python: the user's own statement)
+        checked = _unread_checked(self.residual)
+        said = vars(self.residual).get(_SAID_UNREAD) == checked  # (vars: ResidualConfig.__getattr__ answers old names)
+        if not _quiet() and not read_back(given) and not said:  # (built in Python: the user's own statement)
             warn_unread_residual_fields(_fields_set(self.residual), self)
+        vars(self.residual)[_SAID_UNREAD] = checked  # (after it: a warning raised as an error is raised again)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes that do not exist: the deprecated flat residual keys.
@@ -306,7 +358,7 @@ class ModelConfig:
             raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")
         changes = migrate_model_keys(overrides)
         # (the user's statement: the residual fields the overrides give are warned of, not the preset's block size)
-        return stated(lambda: cls.from_dict(_merge(PRESETS[name], changes)), residual_fields_given(changes))
+        return stated(lambda: cls.from_dict(_merge(PRESETS[name], changes)), residual_fields_stated(overrides))
 
 
 def require_model_config(config: Any, who: str) -> None:
