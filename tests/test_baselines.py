@@ -143,6 +143,26 @@ def test_mhc_lite_enumerates_all_permutations():
     assert len({tuple(p.flatten().tolist()) for p in P}) == 6
 
 
+def test_mhc_lite_kept_permutations_are_not_read_under_a_fake_tensor_mode():
+    """mHC-lite keeps its permutation index per device after a forward; under a
+    ``FakeTensorMode`` (a shape survey, a memory estimate: fake weights of a model that ran
+    before) the kept real index met the fake matrices - "Please convert all Tensors to
+    FakeTensors first". Under the mode the index is made for the call, fake, and not kept."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    m = MHCLite(4, 2, n_streams=3)
+    logits = torch.randn(2, 6)
+    real = m.residual_matrix(logits)  # (keeps the CPU index)
+    mode = FakeTensorMode()
+    fake = mode.from_tensor(logits)
+    with mode:
+        out = m.residual_matrix(fake)
+    assert isinstance(out, FakeTensor) and out.shape == real.shape
+    kept = m.__dict__["_permutation_indices"]
+    assert list(kept) == [torch.device("cpu")] and not isinstance(kept[torch.device("cpu")], FakeTensor)
+    assert torch.equal(m.residual_matrix(logits), real)
+
+
 def test_hyper_connections_static_init_is_pre_norm():
     m = HyperConnections(8, 6, n_streams=4)
     H = torch.randn(2, 4, 8)

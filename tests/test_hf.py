@@ -167,7 +167,7 @@ def test_a_single_block_is_warned_of_once_where_the_hf_config_is_stated(tmp_path
     assert single(lambda: made.append(AttnResConfig.from_model_config(native))) == []
     assert single(lambda: AttnResForCausalLM(made[-1])) == []
     made[1].save_pretrained(tmp_path)
-    assert "_single_block_said" not in (tmp_path / "config.json").read_text()
+    assert "_said" not in (tmp_path / "config.json").read_text()  # (the slot, and the marks it holds)
     assert len(single(lambda: AutoModelForCausalLM.from_pretrained(tmp_path))) == 1
     config.residual["block_size"] = 8
     assert len(single(lambda: AutoModelForCausalLM.from_config(config))) == 1
@@ -177,6 +177,28 @@ def test_a_single_block_is_warned_of_once_where_the_hf_config_is_stated(tmp_path
     assert other == made[-1]
     native.residual.block_size = 8
     assert len(single(lambda: AttnResConfig.from_model_config(native))) == 1
+
+
+def test_a_residual_field_changed_on_an_hf_config_is_warned_of_once_as_its_single_block_is(tmp_path):
+    """``config.residual["block_size"] = 4`` on a Full AttnRes ``AttnResConfig``, then a model of
+    it: to_model_config() read the config quietly, so the model was built as if S were not
+    there without a word, where the same change to a single block was warned of (and
+    ``dataclasses.replace`` of a native config warns of both). Warned of once, at the change;
+    an unchanged config, a stored one and a config read back say nothing."""
+    from transformers import AutoModelForCausalLM
+
+    def unread(call) -> list[str]:
+        return warned(call, " is read only by ")
+
+    config = AttnResConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, residual="attnres_full")
+    assert unread(lambda: AutoModelForCausalLM.from_config(config)) == []
+    config.residual["block_size"] = 4
+    said = unread(lambda: AutoModelForCausalLM.from_config(config))
+    assert len(said) == 1 and said[0].startswith("model.residual.block_size=4 is read only by attnres_block"), said
+    assert unread(config.to_model_config) == []
+    config.save_pretrained(tmp_path)
+    assert unread(lambda: AttnResConfig.from_pretrained(tmp_path).to_model_config()) == []
+    assert unread(lambda: AttnResConfig(**config.to_dict()).to_model_config()) == []
 
 
 @pytest.mark.parametrize("kind", ["standard", "attnres_full"])

@@ -137,6 +137,25 @@ def test_ablation_differences_pair_the_runs_of_a_seed_as_compare_does():
     assert baseline_differences(_seeded({"baseline": {0: 5.0}, "a": {0: 4.9}})) == ({}, "")
 
 
+def test_ablation_differences_of_one_shared_seed_are_unpaired_and_holm_counts_the_cells_with_a_p():
+    """A variant that shares one seed with the baseline had a paired cell of that seed's
+    difference alone ("paired, n=1"): no interval, its other seeds unused, and the note's
+    Holm family counted it though it had no p. Fewer than two shared seeds is unpaired, with
+    every seed; a cell without a p-value (identical differences: no spread) is no part of the
+    family the note names."""
+    from attnres.experiments.job.report import baseline_differences
+
+    losses = {"baseline": {0: 5.0, 1: 5.5, 2: 5.25}, "a": {0: 4.9, 1: 5.45, 2: 5.2}, "b": {0: 4.95, 7: 5.1},
+              "e": {0: 4.75, 1: 5.25}}
+    cells, note = baseline_differences(_seeded(losses))
+    sd, df = pooled_sd([list(by_seed.values()) for by_seed in losses.values()])
+    u = mean_difference(list(losses["b"].values()), list(losses["baseline"].values()), sd, df)
+    assert cells["b"].startswith(f"{u.text('+.4f')} (unpaired; p = ")
+    assert "unpaired (b: one seed in common, no spread to pair)" in note
+    assert cells["e"] == "-0.2500 (paired, n=2)"  # (the same difference at both seeds: no interval, no p)
+    assert "Holm's adjustment over the 2 variants compared" in note
+
+
 def test_compare_findings_say_when_the_interval_includes_zero():
     from attnres.experiments.job.compare import _findings
 

@@ -27,8 +27,7 @@ from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
 from .families.remote_code import SavesAutoMap
 from .families.residual_module import NATIVE_KEY, naming_residual_module, saved_residual_module
-from ..nn.residual.block import keep_single_block_said, single_block_said
-from ..nn.residual.config import ResidualConfig, merge_residual
+from ..nn.residual.config import ResidualConfig, keep_marks, marks_of, merge_residual
 from .families.build import FIELD_HF_NAMES
 
 __all__ = ["AttnResConfig"]
@@ -48,12 +47,13 @@ class _AttnResConfigMethods(SavesAutoMap):
     """The behaviour of :class:`AttnResConfig` (its fields are generated below)."""
 
     RESIDUAL_MODULE_KEY = NATIVE_KEY
-    # The (block_size, n_sublayers) of Block AttnRes' single-block warning given of this config
-    # (nn.residual.block.single_block_said): to_model_config() builds a new ResidualConfig each
-    # time, which warned again of what the user stated once (AutoModelForCausalLM.from_config(
-    # config) twice, from_pretrained twice). A slot, not an attribute: transformers' to_dict,
+    # What was warned of this config's residual (nn.residual.config.marks_of: Block AttnRes'
+    # single block, the fields its variant does not read, at the values said): to_model_config()
+    # builds a new ResidualConfig each time, which warned again of what the user stated once
+    # (AutoModelForCausalLM.from_config(config) twice, from_pretrained twice), or, read quietly,
+    # said nothing of a field changed since. A slot, not an attribute: transformers' to_dict,
     # __eq__ and config.json read __dict__, and this is no field of the model.
-    __slots__ = ("_single_block_said",)
+    __slots__ = ("_said",)
 
     @classmethod
     def auto_classes(cls) -> tuple[str, dict[str, str]]:
@@ -65,8 +65,8 @@ class _AttnResConfigMethods(SavesAutoMap):
         return self.residual["kind"]
 
     def __post_init__(self, **kwargs) -> None:
-        # (a ResidualConfig given, from_model_config's native one, was warned of its single block where it was stated)
-        self._single_block_said = single_block_said(self.residual) if isinstance(self.residual, ResidualConfig) else None
+        # (a ResidualConfig given, from_model_config's native one, was warned of where it was stated)
+        self._said = marks_of(self.residual) if isinstance(self.residual, ResidualConfig) else {}
         module = saved_residual_module(kwargs, NATIVE_KEY)
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
         # (before it is completed: AttnResConfig(**config.to_dict()) is a config read back, whose residual fields - the
@@ -165,8 +165,10 @@ class _AttnResConfigMethods(SavesAutoMap):
 
     def to_model_config(self) -> ModelConfig:
         """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field). Its
-        single block is not warned of again where this config was (a field changed since is)."""
-        return self._checked(ModelConfig.from_dict(self._model_fields()))
+        single block and the residual fields its variant does not read are not warned of again
+        where this config was; a field changed since is (``config.residual["block_size"] = 4``
+        of a Full AttnRes config: read quietly, it was built as if S were not there)."""
+        return self._checked(ModelConfig(**self._model_fields()))
 
     def _model_fields(self) -> dict:
         """The :class:`attnres.ModelConfig` fields this config holds; ``residual`` as a
@@ -175,13 +177,13 @@ class _AttnResConfigMethods(SavesAutoMap):
         fields = {k: v for k, v in fields.items() if not (k in _FACTORY_FIELDS and v is None)}
         if "residual" in fields:
             fields["residual"] = residual = ResidualConfig.from_value(merge_residual(None, fields["residual"]))
-            keep_single_block_said(residual, getattr(self, "_single_block_said", None))
+            keep_marks(residual, getattr(self, "_said", {}))
         return fields
 
     def _checked(self, native: ModelConfig) -> ModelConfig:
-        """``native`` (built of :meth:`_model_fields`), whose single-block warning, given or
-        not, this config keeps for the next one built."""
-        self._single_block_said = single_block_said(native.residual)
+        """``native`` (built of :meth:`_model_fields`), whose warnings, given or not, this
+        config keeps for the next one built."""
+        self._said = marks_of(native.residual)
         return native
 
     @classmethod

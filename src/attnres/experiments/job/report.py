@@ -132,12 +132,15 @@ def baseline_differences(records: list[dict[str, Any]], baseline: str = "baselin
     and Holm's adjustment over all the variants compared (a grid reads them all at once); and
     a sentence saying how. Empty without a baseline or a spread to give an interval from.
 
-    Paired by seed where the variant ran seeds the baseline ran (as ``attnres compare``): a
-    seed fixes the batches and the initial draws of both runs, so the mean of the per-seed
-    differences, with its sd from those differences, leaves out the seed-to-seed noise they
-    share. Unpaired (difference of the means, the seed sd pooled over every variant, whose
-    seeds share a mean) only where the variant shares no seed with the baseline. Each cell
-    says which it is."""
+    Paired by seed where the variant ran two or more seeds the baseline ran (as ``attnres
+    compare``): a seed fixes the batches and the initial draws of both runs, so the mean of the
+    per-seed differences, with its sd from those differences, leaves out the seed-to-seed noise
+    they share. Unpaired (difference of the means, the seed sd pooled over every variant, whose
+    seeds share a mean) where the variant shares fewer: one difference has no sd to give an
+    interval from (such a cell was that seed's difference alone, the variant's other seeds
+    unused); unpaired, every seed counts, conservatively (the shared seed's noise is taken as
+    independent). Each cell says which it is; a variant with neither keeps the table's bare
+    difference of the means. Holm's family is the cells with a p-value."""
     groups: dict[str, list[tuple[Any, float]]] = {}
     for r in records:
         groups.setdefault(r["variant"], []).append((r.get("seed"), r["val_loss"]))
@@ -146,10 +149,11 @@ def baseline_differences(records: list[dict[str, Any]], baseline: str = "baselin
     base = {seed: loss for seed, loss in groups[baseline] if seed is not None}
     paired = {name: [loss - base[seed] for seed, loss in runs if seed in base]
               for name, runs in groups.items() if name != baseline}
-    paired = {name: d for name, d in paired.items() if d}
+    shared = {name: len(d) for name, d in paired.items()}
+    paired = {name: d for name, d in paired.items() if len(d) > 1}
     unpaired = [name for name in groups if name != baseline and name not in paired]
     pooled = _pooled_or_none([[loss for _, loss in runs] for runs in groups.values()]) if unpaired else None
-    if not any(len(d) > 1 for d in paired.values()) and pooled is None:
+    if not paired and pooled is None:
         return {}, ""  # (no spread anywhere: the tables show the bare difference of the means)
     diffs: dict[str, tuple[TInterval, str]] = {}
     for name, runs in groups.items():
@@ -162,7 +166,8 @@ def baseline_differences(records: list[dict[str, Any]], baseline: str = "baselin
     cells = {name: f"{d.text('+.4f')} ({how}" + (f"; p = {d.p_value:.2g}; Holm {adjusted[name]:.2g})"
                                                  if d.p_value is not None else ")")
              for name, (d, how) in diffs.items()}
-    return cells, _differences_note(paired, unpaired, pooled, len(diffs))
+    tested = sum(d.p_value is not None for d, _ in diffs.values())  # (Holm's family: a cell without p is none of it)
+    return cells, _differences_note(paired, {name: shared[name] for name in unpaired}, pooled, tested)
 
 
 def _pooled_or_none(groups: list[list[float]]) -> tuple[float, int] | None:
@@ -173,20 +178,28 @@ def _pooled_or_none(groups: list[list[float]]) -> tuple[float, int] | None:
     return (sd, df) if sd > 0 else None
 
 
-def _differences_note(paired: dict[str, list[float]], unpaired: list[str], pooled: tuple[float, int] | None,
+def _differences_note(paired: dict[str, list[float]], unpaired: dict[str, int], pooled: tuple[float, int] | None,
                       compared: int) -> str:
-    """The sentence under a table of :func:`baseline_differences`: how each kind of cell was computed."""
+    """The sentence under a table of :func:`baseline_differences`: how each kind of cell was
+    computed. ``unpaired``: those variants' seeds in common with the baseline (0 or 1)."""
     how = []
     if paired:
         how.append("paired: the variant's run minus the baseline's run of the same seed (the same batches and initial "
                    "draws), mean over the seeds both ran (n) with a 95 % Student-t interval from the sd of those "
                    "differences (n - 1 degrees of freedom), as `attnres compare` pairs them")
     if unpaired and pooled is not None:
-        how.append(f"unpaired ({', '.join(unpaired)}: no seed in common with the baseline): difference of the mean "
+        why = "; ".join(f"{', '.join(names)}: {words}" for words, names in _by_shared_seeds(unpaired))
+        how.append(f"unpaired ({why}): difference of the mean "
                    f"losses, 95 % Student-t interval from the seed sd pooled over every variant ({pooled[0]:.4f} on "
                    f"{pooled[1]} degrees of freedom)")
     return (f"Δ vs baseline, {'; '.join(how)}. p of the t-test, and Holm's adjustment over the {compared} variants "
             "compared (read a variant as different from the baseline where the adjusted p < 0.05).")
+
+
+def _by_shared_seeds(unpaired: dict[str, int]) -> list[tuple[str, list[str]]]:
+    """The unpaired variants grouped by why: no seed in common with the baseline, or one."""
+    words = {0: "no seed in common with the baseline", 1: "one seed in common, no spread to pair"}
+    return [(words[k], names) for k in sorted(words) if (names := [n for n, c in unpaired.items() if c == k])]
 
 
 def _ablation_md(summ: dict[str, Summary], records: list[dict[str, Any]]) -> str:

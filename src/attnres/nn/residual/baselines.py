@@ -44,7 +44,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ...ops import compute_dtype
 from .base import ResidualState, ResidualStream
@@ -472,6 +471,11 @@ class MHC(_MultiStream):
         return pre, post, res
 
 
+def _fake_mode() -> bool:
+    """Whether a ``FakeTensorMode`` is active: tensors made now are fake (no values to keep)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 @register_residual("mhc_lite")
 class MHCLite(MHC):
     """mHC-lite (Yang & Gao 2026): ``H_res = sum_k softmax(logits)_k P_k`` over all ``m!``
@@ -512,15 +516,15 @@ class MHCLite(MHC):
         kept (not a buffer: see ``__init__``). Made from the Python tuples at every forward,
         it was a host-to-device copy per sublayer: on CUDA a wait for the GPU each time, and
         what a CUDA graph's capture refuses - ``generate``'s default decode there failed. A
-        traced forward makes it a constant of its graph; a fake one's is not kept."""
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        traced forward makes it a constant of its graph. Under a ``FakeTensorMode`` it is made
+        fake for the call and not kept, and a kept real one is not read: it met the fake
+        matrices ("Please convert all Tensors to FakeTensors first")."""
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or _fake_mode():
             return torch.tensor(self._perms, device=device)
         kept = self.__dict__.get("_permutation_indices", {})
         if device not in kept:
             with torch.inference_mode(False):  # (a plain tensor, read in and out of inference mode)
                 index = torch.tensor(self._perms, device=device)
-            if isinstance(index, FakeTensor):
-                return index
             self.__dict__["_permutation_indices"] = kept = {**kept, device: index}
         return kept[device]
 

@@ -18,7 +18,7 @@ from .config import AttnResAblation, ResidualConfig
 from .kinds import refuse_other_kind
 from .registry import register_residual
 
-__all__ = ["BlockAttnRes", "BlockNaiveState", "BlockTwoPhaseState", "keep_single_block_said", "single_block_said"]
+__all__ = ["BlockAttnRes", "BlockNaiveState", "BlockTwoPhaseState"]
 
 
 @dataclass
@@ -179,22 +179,6 @@ def _warn_single_block_once(config: ResidualConfig, n_sublayers: int) -> None:
     if not reading_stored():
         _warn_single_block(*said)
     vars(config)[_SAID_SINGLE_BLOCK] = said  # (after it: a warning raised as an error is raised again)
-
-
-def single_block_said(config: ResidualConfig) -> tuple[int | None, int] | None:
-    """The ``(block_size, n_sublayers)`` that ``config`` was warned of as a single block (or
-    read quietly at, within ``stored_config()``), ``None`` if none: for a config that builds
-    another ``ResidualConfig`` of the same statement (the Hugging Face ``AttnResConfig``, whose
-    ``to_model_config()`` builds a new one each time), to hand on with
-    :func:`keep_single_block_said`."""
-    return vars(config).get(_SAID_SINGLE_BLOCK)
-
-
-def keep_single_block_said(config: ResidualConfig, said: tuple[int | None, int] | None) -> None:
-    """Mark ``config`` as warned of ``said`` (:func:`single_block_said` of the config it was
-    built from): it is not warned of again at that block size and depth, and is at another."""
-    if said is not None:
-        vars(config)[_SAID_SINGLE_BLOCK] = said
 
 
 def _warn_single_block(block_size: int | None, n_sublayers: int, built: bool = False) -> None:

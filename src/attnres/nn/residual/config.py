@@ -246,6 +246,21 @@ _RENAMED_ATTRIBUTES = {old: (new,) for old, new in RESIDUAL_RENAMES.items()}
 accept_old_keys(ResidualConfig, migrate_residual_keys)
 
 
+def marks_of(config: ResidualConfig) -> dict[str, Any]:
+    """What the checks of ``config`` noted on the object beyond its fields: Block AttnRes'
+    single block and ``ModelConfig``'s residual fields its variant does not read, each with
+    the values it was warned of (or read quietly at), so that a field changed since is warned
+    again. For a config that builds another ``ResidualConfig`` of the same statement (the
+    Hugging Face ``AttnResConfig``, whose ``to_model_config()`` builds a new one each time),
+    to hand on with :func:`keep_marks`."""
+    return {k: v for k, v in vars(config).items() if k not in _FIELDS}
+
+
+def keep_marks(config: ResidualConfig, marks: dict[str, Any]) -> None:
+    """Note on ``config`` the ``marks`` (:func:`marks_of`) of the config it was built from."""
+    vars(config).update(marks)
+
+
 def residual_as_dict(value: Any) -> dict[str, Any]:
     """``value`` (a name, a mapping or a ``ResidualConfig``) as a nested mapping, for merging."""
     if isinstance(value, ResidualConfig):
