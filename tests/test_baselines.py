@@ -163,6 +163,28 @@ def test_mhc_lite_kept_permutations_are_not_read_under_a_fake_tensor_mode():
     assert torch.equal(m.residual_matrix(logits), real)
 
 
+def test_mhc_lite_kept_permutations_are_not_pickled():
+    """The kept index is keyed by the device it was made on; pickled with the module and loaded
+    with ``map_location="cpu"``, a CUDA model's would be a CPU tensor under ``cuda:0`` (a copy
+    at every forward once moved back, a refused CUDA graph capture). Pickles and deep copies
+    leave it out; the copy makes its own at its first forward, with the same matrices."""
+    import copy
+    import io
+    import pickle
+
+    m = MHCLite(4, 2, n_streams=3)
+    logits = torch.randn(2, 6)
+    real = m.residual_matrix(logits)
+    assert "_permutation_indices" in m.__dict__
+    buffer = io.BytesIO()
+    torch.save(m, buffer)
+    buffer.seek(0)
+    for other in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m), torch.load(buffer, weights_only=False)):
+        assert "_permutation_indices" not in other.__dict__
+        assert torch.equal(other.residual_matrix(logits), real)
+    assert "_permutation_indices" in m.__dict__  # (the original keeps its own)
+
+
 def test_hyper_connections_static_init_is_pre_norm():
     m = HyperConnections(8, 6, n_streams=4)
     H = torch.randn(2, 4, 8)

@@ -528,6 +528,14 @@ class MHCLite(MHC):
             self.__dict__["_permutation_indices"] = kept = {**kept, device: index}
         return kept[device]
 
+    def __getstate__(self) -> dict[str, Any]:
+        # (the kept indices are not saved: unpickled with map_location="cpu", a CUDA model's
+        # index would be a CPU tensor under the key cuda:0 - moved back to the GPU, a copy at
+        # every forward and a refused CUDA graph capture. Made again at the first forward.)
+        state = super().__getstate__()
+        state.pop("_permutation_indices", None)
+        return state
+
     def residual_matrix(self, logits: Tensor) -> Tensor:
         weights = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)  # [..., m!]
         return torch.einsum("...k,kij->...ij", weights, self.permutation_matrices(weights.device, weights.dtype))
