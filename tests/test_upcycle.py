@@ -565,6 +565,31 @@ def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
                             if not a.startswith("model=")]])
 
 
+def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_trains_it_on(tmp_path):
+    """`attnres upcycle --model RUN` of a run trained from an upcycle (`model.from_hf`) called it
+    "attnres's own model" and said to train on with `attnres train init_from=RUN`, which refuses
+    it (the checkpoint holds a 'llama' model, that command builds attnres's own): its run's
+    config builds its model. A run of attnres's own model keeps the short command."""
+    from attnres.cli import main as cli_main
+
+    def refusal(run: Path, architecture: str | None) -> str:
+        (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps({"model": {"hf_architecture": architecture}}))
+        with pytest.raises(SystemExit) as said:
+            cli_main(["upcycle", "--model", str(run), "--out", str(tmp_path / "up")])
+        return str(said.value)
+
+    family = refusal(tmp_path / "family", "llama")
+    assert "attnres's own model" not in family, family
+    assert ("an AttnRes model of transformers' 'llama' architecture, AttnRes already: use it as it is (attnres generate "
+            f"/ eval / analyze), or train on from it with its run's config (`attnres train --config "
+            f"{tmp_path / 'family' / 'config.json'} init_from={tmp_path / 'family'} out_dir=DIR`)") in family, family
+    native = refusal(tmp_path / "native", None)
+    assert f"attnres's own model, AttnRes already: use it as it is (attnres generate / eval / analyze), or train on from " \
+           f"it (`attnres train init_from={tmp_path / 'native'}`)" in native, native
+    assert not (tmp_path / "up").exists()
+
+
 def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
     """``upcycle`` of a path or Hub id (which the command takes) or of a PEFT model said only
     'upcycle takes a transformers causal LM, got str' (or 'got PeftModel'); it now says how

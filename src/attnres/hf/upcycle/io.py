@@ -141,9 +141,7 @@ def check_layout(source: Path, kw: dict[str, Any], check_config: Callable[[Any],
     from ..families import layout_of
 
     if (found := training_output(source)) is not None:  # (its config.json is the run's: "Unrecognized model")
-        raise ValueError(f"--model {str(source)!r} is {found}, attnres's own model, AttnRes already: use it as it is "
-                         f"(attnres generate / eval / analyze), or train on from it "
-                         f"(`attnres train init_from={shell_path(source)}`)")
+        raise ValueError(f"--model {str(source)!r} is {found}, {_trained_on_from(source)}")
     if not kw and source.is_dir() and not (source / "config.json").is_file():  # (transformers: "Unrecognized model")
         raise ValueError(f"--model {str(source)!r} holds no config.json: it is not a save_pretrained directory"
                          f"{_model_below(source)}")
@@ -160,6 +158,25 @@ def check_layout(source: Path, kw: dict[str, Any], check_config: Callable[[Any],
     if isinstance(stored, torch.dtype) and stored.is_floating_point:
         return stored
     return None if kw else _weights_dtype(source)
+
+
+def _trained_on_from(source: Path) -> str:
+    """What the training run (or checkpoint) ``source`` holds and how to train on from it: a
+    run of a transformers family (``model.from_hf``) was said to be attnres's own model, with
+    ``attnres train init_from=RUN``, which refuses it (no ``model.hf_architecture``); its own
+    config builds its model."""
+    run = source.parent if source.name == "checkpoints" else \
+        source.parent.parent if source.parent.name == "checkpoints" else source
+    try:
+        architecture = json.loads((run / "config.json").read_text())["model"].get("hf_architecture")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (a run without a readable config: its own model)
+        architecture = None
+    if not architecture:
+        return ("attnres's own model, AttnRes already: use it as it is (attnres generate / eval / analyze), or train on "
+                f"from it (`attnres train init_from={shell_path(source)}`)")
+    return (f"an AttnRes model of transformers' {architecture!r} architecture, AttnRes already: use it as it is "
+            "(attnres generate / eval / analyze), or train on from it with its run's config (`attnres train --config "
+            f"{shell_path(run / 'config.json')} init_from={shell_path(source)} out_dir=DIR`)")
 
 
 #: The floating dtypes of a ``.safetensors`` header, by its names.
