@@ -1950,6 +1950,31 @@ def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
     assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["block_size"] == 8
 
 
+def test_a_single_block_upcycle_is_warned_of_by_upcycle_not_by_what_reads_it(tmp_path, capsys):
+    """The single block of `attnres upcycle --block-size 8` was said again by every command
+    reading the directory (its config.json is read as a new config each time): `generate` once,
+    `train model.from_hf=DIR init_from=DIR` twice, `analyze` of that run once. The upcycle says
+    it; a stored config is read quietly, as a run's is."""
+    from test_train import write_corpus
+
+    from attnres import ModelConfig
+    from attnres.hf.families.build import build_hf_model, model_fields_from_directory
+
+    src, _ = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    def single(call) -> list[str]:
+        return warned(call, "single block")
+
+    pretrained = AutoModelForCausalLM.from_pretrained(src)
+    assert len(single(lambda: upcycle(pretrained, "attnres_block", block_size=8).save_pretrained(tmp_path / "up"))) == 1
+    assert single(lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "up")) == []
+    assert single(lambda: AutoConfig.from_pretrained(tmp_path / "up")) == []
+    fields = []
+    assert single(lambda: fields.append(model_fields_from_directory(str(tmp_path / "up")))) == []
+    made = []
+    assert len(single(lambda: made.append(ModelConfig.from_dict(fields[0])))) == 1  # (stated in Python: the user's)
+    assert single(lambda: build_hf_model(made[0])) == []  # (a model of a config checks it again: said once)
+
+
 def test_upcycle_warns_of_a_setting_its_variant_does_not_read():
     """``upcycle(model, sinkhorn_iters=3)`` (Block AttnRes, the default) upcycled as if the
     setting were not there, without a word, where a model config warns of it. It warns once,

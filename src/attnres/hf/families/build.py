@@ -9,6 +9,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from ...migrations import stored_config
 from ...nn.residual import ResidualConfig
 from ...validation import did_you_mean_each
 from .classes import register_families, upcycled_classes
@@ -77,7 +78,8 @@ def hf_config_of(config) -> PretrainedConfig:
     fields["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
     fields.update(config.hf_config)
     fields["attnres_residual"] = config.residual.to_dict()
-    return config_cls(**fields)
+    with stored_config():  # (config's residual was checked, and a single block warned of, when config was made)
+        return config_cls(**fields)
 
 
 def build_hf_model(config) -> PreTrainedModel:
