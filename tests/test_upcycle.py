@@ -1953,7 +1953,8 @@ def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
 def test_a_single_block_upcycle_is_warned_of_by_upcycle_not_by_what_reads_it(tmp_path, capsys):
     """The single block of `attnres upcycle --block-size 8` was said again by every command
     reading the directory (its config.json is read as a new config each time): `generate` once,
-    `train model.from_hf=DIR init_from=DIR` twice, `analyze` of that run once. The upcycle says
+    `train model.from_hf=DIR init_from=DIR` twice (six times over, by the run's checks), `analyze`
+    of that run once. The upcycle says
     it; a stored config is read quietly, as a run's is."""
     from test_train import write_corpus
 
@@ -1966,6 +1967,7 @@ def test_a_single_block_upcycle_is_warned_of_by_upcycle_not_by_what_reads_it(tmp
 
     pretrained = AutoModelForCausalLM.from_pretrained(src)
     assert len(single(lambda: upcycle(pretrained, "attnres_block", block_size=8).save_pretrained(tmp_path / "up"))) == 1
+    (tmp_path / "up" / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
     assert single(lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "up")) == []
     assert single(lambda: AutoConfig.from_pretrained(tmp_path / "up")) == []
     fields = []
@@ -1973,6 +1975,14 @@ def test_a_single_block_upcycle_is_warned_of_by_upcycle_not_by_what_reads_it(tmp
     made = []
     assert len(single(lambda: made.append(ModelConfig.from_dict(fields[0])))) == 1  # (stated in Python: the user's)
     assert single(lambda: build_hf_model(made[0])) == []  # (a model of a config checks it again: said once)
+    from test_train import overrides
+
+    from attnres.train import load_config, train
+
+    run = [a for a in overrides(tmp_path / "corpus.txt", tmp_path / "run", steps=1, warmup_steps=0, **{
+           "model.from_hf": str(tmp_path / "up"), "init_from": str(tmp_path / "up"), "data.tokenizer": "bpe"})
+           if not a.startswith("model=")]
+    assert single(lambda: train(load_config(None, run))) == []
 
 
 def test_upcycle_warns_of_a_setting_its_variant_does_not_read():

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, reading_stored, renamed_attribute
+from ..migrations import (FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, reading_stored, renamed_attribute,
+                          stored_config)
 from ..nn.residual import (ResidualConfig, build_residual, registered_residuals, residual_class,
                            validate_residual_config)
 from ..nn.residual.config import VARIANT_FIELDS, merge_residual
@@ -290,8 +291,13 @@ class ModelConfig:
             return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (validated); ``residual`` changes only what it names."""
-        return self.from_dict(_merge(self.to_dict(), migrate_model_keys(changes)))
+        """A copy with some fields changed (validated); ``residual`` changes only what it names.
+        A copy whose residual and depth are this config's is not warned of a single block again
+        (this config was, where it was made: ``replace(vocab_size=...)`` said it once more)."""
+        changes = migrate_model_keys(changes)
+        restated = changes.keys() & {"residual", "n_layers"}  # (what the single-block warning reads)
+        with contextlib.nullcontext() if restated else stored_config():
+            return self.from_dict(_merge(self.to_dict(), changes))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:

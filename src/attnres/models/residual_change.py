@@ -72,8 +72,7 @@ def _fitting_change(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[s
         return old, new, []
     # Weights that do not fit (a standard run into AttnRes) are named by the load, field by field. (The
     # vocabulary is not the residual's: compared at the checkpoint's, the load names another one.)
-    with stored_config():  # (ours, checked and its single block warned of when made: a copy, not the user's statement)
-        shapes = _parameter_shapes(theirs), _parameter_shapes(ours.replace(vocab_size=theirs.vocab_size))
+    shapes = _parameter_shapes(theirs), _parameter_shapes(ours.replace(vocab_size=theirs.vocab_size))
     if None not in shapes and shapes[0] != shapes[1]:
         return old, new, []
     return old, new, differing
