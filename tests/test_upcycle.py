@@ -569,8 +569,10 @@ def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_
     """`attnres upcycle --model RUN` of a run trained from an upcycle (`model.from_hf`) called it
     "attnres's own model" and said to train on with `attnres train init_from=RUN`, which refuses
     it (the checkpoint holds a 'llama' model, that command builds attnres's own): its run's
-    config builds its model. A run of attnres's own model keeps the short command."""
+    config builds its model, as it does a native run's (whose default model may not be the run's).
+    `model.from_hf=RUN` says the same."""
     from attnres.cli import main as cli_main
+    from attnres.train import load_config
 
     def refusal(run: Path, architecture: str | None) -> str:
         (run / "checkpoints" / "step-00000001").mkdir(parents=True)
@@ -584,10 +586,15 @@ def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_
     assert ("an AttnRes model of transformers' 'llama' architecture, AttnRes already: use it as it is (attnres generate "
             f"/ eval / analyze), or train on from it with its run's config (`attnres train --config "
             f"{tmp_path / 'family' / 'config.json'} init_from={tmp_path / 'family'} out_dir=DIR`)") in family, family
-    native = refusal(tmp_path / "native", None)
+    native = refusal(tmp_path / "native", None)  # (init_from=RUN alone: the default model, not always the run's)
     assert f"attnres's own model, AttnRes already: use it as it is (attnres generate / eval / analyze), or train on from " \
-           f"it (`attnres train init_from={tmp_path / 'native'}`)" in native, native
+           f"it with its run's config (`attnres train --config {tmp_path / 'native' / 'config.json'} " \
+           f"init_from={tmp_path / 'native'} out_dir=DIR`)" in native, native
     assert not (tmp_path / "up").exists()
+    with pytest.raises(ValueError, match=re.escape(
+            f"start from its weights with its run's config (`attnres train --config {tmp_path / 'family' / 'config.json'} "
+            f"init_from={tmp_path / 'family'} out_dir=DIR`), or `attnres export` it and give the export")):
+        load_config(None, [f"model.from_hf={tmp_path / 'family'}"])  # (a family run's export is a model.from_hf)
 
 
 def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():

@@ -456,14 +456,15 @@ def _fields_of_hf_directory(source: Any) -> dict[str, Any]:
     """``model.from_hf=DIR``: the ``ModelConfig`` fields of the saved transformers model in DIR;
     what is wrong with DIR is said by the field (a training run's directory, whose config.json
     is the run's, failed in transformers: "Unrecognized model in DIR")."""
-    from ..checkpoint.locate import training_output
+    from ..checkpoint.locate import train_on_from, training_output
 
     allowed = "a saved transformers model's directory, holding config.json (e.g. attnres upcycle's --out)"
     found = training_output(str(source))
-    if found is not None:
-        fail("TrainConfig", "model.from_hf", allowed, source, f": it is {found}; start from its weights with "
-             f"init_from={shell_path(source)} (and the run's model settings), or `attnres export` it and give the "
-             "export")
+    if found is not None:  # (an export of attnres's own model is no model.from_hf either: refused as such)
+        architecture, command = train_on_from(str(source))
+        export = ", or `attnres export` it and give the export" if architecture else ""
+        fail("TrainConfig", "model.from_hf", allowed, source, f": it is {found}; start from its weights with its "
+             f"run's config (`{command}`){export}")
     if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
         fail("TrainConfig", "model.from_hf", allowed, source, yaml_typed_hint(source))
     try:

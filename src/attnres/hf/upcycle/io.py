@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ...checkpoint.locate import (SMOLLM2, WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
-                                  refuse_missing_weights, refuse_training_output, training_output, unreadable_weights)
+                                  refuse_missing_weights, refuse_training_output, train_on_from, training_output,
+                                  unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...shell_words import shell_path
@@ -141,7 +142,11 @@ def check_layout(source: Path, kw: dict[str, Any], check_config: Callable[[Any],
     from ..families import layout_of
 
     if (found := training_output(source)) is not None:  # (its config.json is the run's: "Unrecognized model")
-        raise ValueError(f"--model {str(source)!r} is {found}, {_trained_on_from(source)}")
+        architecture, command = train_on_from(source)  # (a run of model.from_hf: not attnres's own model)
+        what = f"an AttnRes model of transformers' {architecture!r} architecture" if architecture else \
+            "attnres's own model"
+        raise ValueError(f"--model {str(source)!r} is {found}, {what}, AttnRes already: use it as it is (attnres "
+                         f"generate / eval / analyze), or train on from it with its run's config (`{command}`)")
     if not kw and source.is_dir() and not (source / "config.json").is_file():  # (transformers: "Unrecognized model")
         raise ValueError(f"--model {str(source)!r} holds no config.json: it is not a save_pretrained directory"
                          f"{_model_below(source)}")
@@ -158,25 +163,6 @@ def check_layout(source: Path, kw: dict[str, Any], check_config: Callable[[Any],
     if isinstance(stored, torch.dtype) and stored.is_floating_point:
         return stored
     return None if kw else _weights_dtype(source)
-
-
-def _trained_on_from(source: Path) -> str:
-    """What the training run (or checkpoint) ``source`` holds and how to train on from it: a
-    run of a transformers family (``model.from_hf``) was said to be attnres's own model, with
-    ``attnres train init_from=RUN``, which refuses it (no ``model.hf_architecture``); its own
-    config builds its model."""
-    run = source.parent if source.name == "checkpoints" else \
-        source.parent.parent if source.parent.name == "checkpoints" else source
-    try:
-        architecture = json.loads((run / "config.json").read_text())["model"].get("hf_architecture")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (a run without a readable config: its own model)
-        architecture = None
-    if not architecture:
-        return ("attnres's own model, AttnRes already: use it as it is (attnres generate / eval / analyze), or train on "
-                f"from it (`attnres train init_from={shell_path(source)}`)")
-    return (f"an AttnRes model of transformers' {architecture!r} architecture, AttnRes already: use it as it is "
-            "(attnres generate / eval / analyze), or train on from it with its run's config (`attnres train --config "
-            f"{shell_path(run / 'config.json')} init_from={shell_path(source)} out_dir=DIR`)")
 
 
 #: The floating dtypes of a ``.safetensors`` header, by its names.
