@@ -544,7 +544,8 @@ def test_unsupported_layouts_are_refused_with_the_reason():
 def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
     """`attnres upcycle --model` an `attnres export` directory, and `train model.from_hf=` one,
     said 'cannot upcycle model_type 'attnres': its decoder layout is not recognised'; it is
-    attnres's own model, and training it on starts from its run."""
+    attnres's own model, and training it on starts from its run, with its config (it said
+    `init_from=RUN`, which alone builds the default model, not always the run's)."""
     pytest.importorskip("yaml")
     from test_train import overrides, write_corpus
 
@@ -557,7 +558,8 @@ def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
     _byte_tokenizer().save_pretrained(tmp_path / "x")
     want = (r"cannot upcycle model_type 'attnres': it is attnres's own model \(an `attnres export` of a training run\), "
             r"AttnRes already: use it as it is \(attnres generate / eval / analyze\), or train on from its run "
-            r"\(`attnres train init_from=RUN`\)")
+            r"with the run's config \(`attnres train --config RUN/config.json init_from=RUN out_dir=DIR`; init_from=RUN "
+            r"alone builds the default model\)")
     with pytest.raises(SystemExit, match=want):
         cli_main(["upcycle", "--model", str(tmp_path / "x"), "--out", str(tmp_path / "up")])
     with pytest.raises(SystemExit, match=want):
