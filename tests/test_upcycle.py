@@ -1813,6 +1813,29 @@ def _upcycled_start(tmp_path):
     return src, up, start
 
 
+def test_a_family_config_field_set_beside_from_hf_changes_that_field_only(tmp_path):
+    """`model.from_hf=DIR model.hf_config.X=...` replaced the directory's whole family config
+    (activation, attention bias, token ids, an MoE's expert counts, a scaled RoPE) with that one
+    key, building the family's defaults from the weights: a field set changes only itself, as
+    `model.residual.*` does. `attnres_exact_eps` is how a plain directory trained into AttnRes
+    starts as the pretrained function, as its upcycle does."""
+    pytest.importorskip("yaml")
+    from test_train import write_corpus
+
+    from attnres import ModelConfig
+    from attnres.train import load_config
+
+    src, _ = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    own = load_config(None, [f"model.from_hf={src}"]).model.hf_config
+    assert own["hidden_act"] == "silu" and "attnres_exact_eps" not in own
+    changed = load_config(None, [f"model.from_hf={src}", "model.hf_config.attnres_exact_eps=true",
+                                 "model.residual.kind=attnres_block"]).model.hf_config
+    assert changed == {**own, "attnres_exact_eps": True}
+    llama = ModelConfig.preset("tiny", hf_architecture="llama", hf_config={"hidden_act": "gelu"})
+    assert llama.replace(hf_config={"mlp_bias": False}).hf_config == {"hidden_act": "gelu", "mlp_bias": False}
+    assert llama.replace(hf_architecture="qwen3", hf_config={}).hf_config == {}  # (another family: its own config)
+
+
 def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless_allowed(tmp_path):
     """`attnres train model.from_hf=U init_from=U model.residual.kind=attnres_full` of a Block
     AttnRes upcycle loaded its residual's weights (the same names and shapes) into Full AttnRes

@@ -291,7 +291,8 @@ class ModelConfig:
             return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (validated); ``residual`` changes only what it names.
+        """A copy with some fields changed (validated); ``residual`` changes only what it names, and
+        so does ``hf_config`` where ``hf_architecture`` stays.
         A copy whose residual and depth are this config's is not warned of a single block again
         (this config was, where it was made: ``replace(vocab_size=...)`` said it once more)."""
         changes = migrate_model_keys(changes)
@@ -335,10 +336,16 @@ accept_old_keys(ModelConfig, migrate_model_keys, SECTIONS)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``changes``; the ``residual`` entry merged (see ``ModelConfig.replace``)."""
+    """``base`` with ``changes``; the ``residual`` entry merged (see ``ModelConfig.replace``), and
+    the ``hf_config`` one of the same architecture: ``model.from_hf=DIR model.hf_config.X=...``
+    dropped every other field of the directory's family config (its activation, scaled RoPE,
+    expert counts), building the family's defaults from its weights."""
     out = {**base, **changes}
     if "residual" in changes:
         out["residual"] = merge_residual(base.get("residual"), changes["residual"])
+    same_architecture = changes.get("hf_architecture", base.get("hf_architecture")) == base.get("hf_architecture")
+    if same_architecture and isinstance(changes.get("hf_config"), dict) and isinstance(base.get("hf_config"), dict):
+        out["hf_config"] = {**base["hf_config"], **changes["hf_config"]}
     return out
 
 
