@@ -153,7 +153,7 @@ def test_sharded_prefill_of_a_transformers_model_names_what_it_takes():
                         (AttnResForCausalLM.from_native(model), "AttnResForCausalLM")):
         with pytest.raises(TypeError, match=rf"sharded_prefill takes attnres's own model \(an AttnResLM\); got {name}: an "
                                             r"export of attnres's own model \(AttnResForCausalLM\) is one after "
-                                            r"\.to_native\(\)"):
+                                            r"\.to_native\(\), and a transformers family's model \(an upcycle\) runs whole"):
             sharded_prefill(other, ids)
 
 

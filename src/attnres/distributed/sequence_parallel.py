@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..models import AttnResLM
+from ..models import AttnResLM, require_attnres_lm
 from ..nn.kv_cache import KVCache
 
 
@@ -115,10 +115,7 @@ def sharded_prefill(model: AttnResLM, input_ids: Tensor, group=None, build_cache
     ``T`` must be divisible by ``P``, and the residual must describe its depth sources
     (``history_layout``: standard, Block and Full AttnRes do; hyper-connections, mHC and
     DenseFormer do not). See the module docstring."""
-    if not isinstance(model, AttnResLM):  # (a transformers model ended in "object has no attribute 'check_input_ids'")
-        raise TypeError(f"sharded_prefill takes attnres's own model (an AttnResLM); got {type(model).__name__}: an "
-                        "export of attnres's own model (AttnResForCausalLM) is one after .to_native(), and a "
-                        "transformers family's model (an upcycle) prefills whole, with its own forward")
+    require_attnres_lm(model, "sharded_prefill")
     model.check_input_ids(input_ids)
     _check_sources_described(model)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
