@@ -552,7 +552,9 @@ def test_a_misspelt_command_option_or_choice_names_the_nearest_one(finished_run,
 def test_model_from_hf_that_is_not_a_saved_directory_is_named(tmp_path, corpus, finished_run, capsys, where):
     """A missing path ended in transformers' traceback about Hub repo ids (or tried the
     network); a directory without config.json in its 'Unrecognized model' message; a training
-    run's directory (its config.json the run's) too, naming neither the field nor init_from."""
+    run's directory (its config.json the run's) too, naming neither the field nor init_from. The
+    way to its weights was `init_from=RUN (and the run's model settings), or attnres export it and
+    give the export`, an export that model.from_hf refuses (attnres's own model): its run's config."""
     path = {"run": finished_run, "checkpoint": finished_run / "checkpoints" / "step-00000004"}.get(where, tmp_path / where)
     if where == "no-config":
         path.mkdir()
@@ -560,8 +562,9 @@ def test_model_from_hf_that_is_not_a_saved_directory_is_named(tmp_path, corpus, 
     message = fails_with(capsys, args, "TrainConfig.model.from_hf must be a saved transformers model's directory, "
                          f"holding config.json (e.g. attnres upcycle's --out); got '{path}'")
     if where in ("run", "checkpoint"):
-        assert message.endswith(f"; start from its weights with init_from={path} (and the run's model settings), or "
-                                "`attnres export` it and give the export"), message
+        # (its run's config builds its model; an export of attnres's own model is refused as model.from_hf too)
+        assert message.endswith(f"; start from its weights with its run's config (`attnres train --config "
+                                f"{finished_run / 'config.json'} init_from={path} out_dir=DIR`)"), message
     assert not (tmp_path / "run").exists()
 
 

@@ -114,6 +114,20 @@ def test_config_errors():
         PipelineChunk(tied, 0, range(1), 2)
 
 
+def test_a_transformers_model_is_refused_naming_what_the_runner_takes():
+    """PipelineRunner(an upcycled transformers model, ...) stopped on every rank in an
+    AttributeError ("'AttnResLlamaForCausalLM' object has no attribute 'check_input_ids'"):
+    refused first (here without a process group), naming what it takes."""
+    pytest.importorskip("transformers")
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.upcycle import upcycle
+
+    with pytest.raises(TypeError, match=r"PipelineRunner takes attnres's own model \(an AttnResLM\); got "
+                                        r"AttnResLlamaForCausalLM: .*\.to_native\(\)"):
+        PipelineRunner(upcycle(tiny_model("llama"), "attnres_block"), PipelineConfig(n_ranks=2))
+
+
 @pytest.mark.parametrize("schedule,virtual,stages,refused,taken", [
     ("1f1b", 1, 4, [1, 2, 3], [4, 5, 8]),  # torch's Schedule1F1B: M >= P
     ("interleaved_1f1b", 2, 2, [5, 7, 9], [1, 2, 3, 4, 6, 8]),  # torch's rounds: M % max(1, M // P) == 0

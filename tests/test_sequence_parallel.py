@@ -137,6 +137,26 @@ def test_sharded_prefill_names_a_residual_without_described_sources(residual):
         sharded_prefill(model, ids)
 
 
+def test_sharded_prefill_of_a_transformers_model_names_what_it_takes():
+    """An upcycled transformers model (or an export) given to sharded_prefill stopped in an
+    AttributeError ("'AttnResLlamaForCausalLM' object has no attribute 'check_input_ids'"):
+    refused before any collective (no process group here), naming what it takes and the way
+    from an export of attnres's own model."""
+    pytest.importorskip("transformers")
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.hf import AttnResForCausalLM
+    from attnres.upcycle import upcycle
+
+    model, ids = build("attnres_block", torch.float32)
+    for other, name in ((upcycle(tiny_model("llama"), "attnres_block"), "AttnResLlamaForCausalLM"),
+                        (AttnResForCausalLM.from_native(model), "AttnResForCausalLM")):
+        with pytest.raises(TypeError, match=rf"sharded_prefill takes attnres's own model \(an AttnResLM\); got {name}: an "
+                                            r"export of attnres's own model \(AttnResForCausalLM\) is one after "
+                                            r"\.to_native\(\), and a transformers family's model \(an upcycle\) runs whole"):
+            sharded_prefill(other, ids)
+
+
 def test_sharded_prefill_on_a_rank_outside_its_group_says_so(monkeypatch):
     """A rank outside ``group`` (torch's get_rank(group) = -1) sliced an empty shard and
     stopped on "torch.cat(): expected a non-empty list of Tensors" after a collective it was

@@ -1171,6 +1171,20 @@ def test_a_single_block_run_is_warned_of_where_it_is_stated_not_where_its_stored
     assert len(restated) == 1 and "block_size (attnres upcycle's --block-size) = 5" in restated[0]
 
 
+def test_an_init_from_run_of_a_single_block_is_warned_of_once(tmp_path, corpus_file):
+    """`attnres train init_from=RUN model.residual.block_size=4 allow_residual_change=true` (the
+    tiny model's 4 sublayers: one block) said its single block twice: as the config was made,
+    and again where the run compared its model with the checkpoint's (a new config built from
+    the run's own, and a copy of it at the checkpoint's vocabulary)."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, steps=1, warmup_steps=0, eval_every=100,
+                                      diagnostics_every=100)))
+    stated = overrides(corpus_file, tmp_path / "init", steps=1, warmup_steps=0, eval_every=100, diagnostics_every=100,
+                       init_from=str(run), allow_residual_change="true", **{"model.residual.block_size": 4})
+    said = warned(lambda: train(load_config(None, stated)), "single block")
+    assert len(said) == 1 and "block_size (attnres upcycle's --block-size) = 4" in said[0], said
+
+
 def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults(tmp_path, corpus_file):
     """`attnres train --resume model.residual.block_size=4` without a config file on a run of 4
     layers (8 sublayers) warned that 4 "is at least the model's 4 sublayers": the overrides were

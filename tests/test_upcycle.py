@@ -544,7 +544,8 @@ def test_unsupported_layouts_are_refused_with_the_reason():
 def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
     """`attnres upcycle --model` an `attnres export` directory, and `train model.from_hf=` one,
     said 'cannot upcycle model_type 'attnres': its decoder layout is not recognised'; it is
-    attnres's own model, and training it on starts from its run."""
+    attnres's own model, and training it on starts from its run, with its config (it said
+    `init_from=RUN`, which alone builds the default model, not always the run's)."""
     pytest.importorskip("yaml")
     from test_train import overrides, write_corpus
 
@@ -557,12 +558,45 @@ def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
     _byte_tokenizer().save_pretrained(tmp_path / "x")
     want = (r"cannot upcycle model_type 'attnres': it is attnres's own model \(an `attnres export` of a training run\), "
             r"AttnRes already: use it as it is \(attnres generate / eval / analyze\), or train on from its run "
-            r"\(`attnres train init_from=RUN`\)")
+            r"with the run's config \(`attnres train --config RUN/config.json init_from=RUN out_dir=DIR`; init_from=RUN "
+            r"alone builds the default model\)")
     with pytest.raises(SystemExit, match=want):
         cli_main(["upcycle", "--model", str(tmp_path / "x"), "--out", str(tmp_path / "up")])
     with pytest.raises(SystemExit, match=want):
         cli_main(["train", *[a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(tmp_path / "x")})
                             if not a.startswith("model=")]])
+
+
+def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_trains_it_on(tmp_path):
+    """`attnres upcycle --model RUN` of a run trained from an upcycle (`model.from_hf`) called it
+    "attnres's own model" and said to train on with `attnres train init_from=RUN`, which refuses
+    it (the checkpoint holds a 'llama' model, that command builds attnres's own): its run's
+    config builds its model, as it does a native run's (whose default model may not be the run's).
+    `model.from_hf=RUN` says the same."""
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config
+
+    def refusal(run: Path, architecture: str | None) -> str:
+        (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps({"model": {"hf_architecture": architecture}}))
+        with pytest.raises(SystemExit) as said:
+            cli_main(["upcycle", "--model", str(run), "--out", str(tmp_path / "up")])
+        return str(said.value)
+
+    family = refusal(tmp_path / "family", "llama")
+    assert "attnres's own model" not in family, family
+    assert ("an AttnRes model of transformers' 'llama' architecture, AttnRes already: use it as it is (attnres generate "
+            f"/ eval / analyze), or train on from it with its run's config (`attnres train --config "
+            f"{tmp_path / 'family' / 'config.json'} init_from={tmp_path / 'family'} out_dir=DIR`)") in family, family
+    native = refusal(tmp_path / "native", None)  # (init_from=RUN alone: the default model, not always the run's)
+    assert f"attnres's own model, AttnRes already: use it as it is (attnres generate / eval / analyze), or train on from " \
+           f"it with its run's config (`attnres train --config {tmp_path / 'native' / 'config.json'} " \
+           f"init_from={tmp_path / 'native'} out_dir=DIR`)" in native, native
+    assert not (tmp_path / "up").exists()
+    with pytest.raises(ValueError, match=re.escape(
+            f"start from its weights with its run's config (`attnres train --config {tmp_path / 'family' / 'config.json'} "
+            f"init_from={tmp_path / 'family'} out_dir=DIR`), or `attnres export` it and give the export")):
+        load_config(None, [f"model.from_hf={tmp_path / 'family'}"])  # (a family run's export is a model.from_hf)
 
 
 def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
@@ -1779,6 +1813,29 @@ def _upcycled_start(tmp_path):
     return src, up, start
 
 
+def test_a_family_config_field_set_beside_from_hf_changes_that_field_only(tmp_path):
+    """`model.from_hf=DIR model.hf_config.X=...` replaced the directory's whole family config
+    (activation, attention bias, token ids, an MoE's expert counts, a scaled RoPE) with that one
+    key, building the family's defaults from the weights: a field set changes only itself, as
+    `model.residual.*` does. `attnres_exact_eps` is how a plain directory trained into AttnRes
+    starts as the pretrained function, as its upcycle does."""
+    pytest.importorskip("yaml")
+    from test_train import write_corpus
+
+    from attnres import ModelConfig
+    from attnres.train import load_config
+
+    src, _ = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    own = load_config(None, [f"model.from_hf={src}"]).model.hf_config
+    assert own["hidden_act"] == "silu" and "attnres_exact_eps" not in own
+    changed = load_config(None, [f"model.from_hf={src}", "model.hf_config.attnres_exact_eps=true",
+                                 "model.residual.kind=attnres_block"]).model.hf_config
+    assert changed == {**own, "attnres_exact_eps": True}
+    llama = ModelConfig.preset("tiny", hf_architecture="llama", hf_config={"hidden_act": "gelu"})
+    assert llama.replace(hf_config={"mlp_bias": False}).hf_config == {"hidden_act": "gelu", "mlp_bias": False}
+    assert llama.replace(hf_architecture="qwen3", hf_config={}).hf_config == {}  # (another family: its own config)
+
+
 def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless_allowed(tmp_path):
     """`attnres train model.from_hf=U init_from=U model.residual.kind=attnres_full` of a Block
     AttnRes upcycle loaded its residual's weights (the same names and shapes) into Full AttnRes
@@ -1923,6 +1980,41 @@ def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
                       "block to attend over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it "
                       "is 1: 6 blocks (about 8 where the depth allows, as the report recommends, §3.2)"]
     assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["block_size"] == 8
+
+
+def test_a_single_block_upcycle_is_warned_of_by_upcycle_not_by_what_reads_it(tmp_path, capsys):
+    """The single block of `attnres upcycle --block-size 8` was said again by every command
+    reading the directory (its config.json is read as a new config each time): `generate` once,
+    `train model.from_hf=DIR init_from=DIR` twice (six times over, by the run's checks), `analyze`
+    of that run once. The upcycle says
+    it; a stored config is read quietly, as a run's is."""
+    from test_train import write_corpus
+
+    from attnres import ModelConfig
+    from attnres.hf.families.build import build_hf_model, model_fields_from_directory
+
+    src, _ = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    def single(call) -> list[str]:
+        return warned(call, "single block")
+
+    pretrained = AutoModelForCausalLM.from_pretrained(src)
+    assert len(single(lambda: upcycle(pretrained, "attnres_block", block_size=8).save_pretrained(tmp_path / "up"))) == 1
+    (tmp_path / "up" / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    assert single(lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "up")) == []
+    assert single(lambda: AutoConfig.from_pretrained(tmp_path / "up")) == []
+    fields = []
+    assert single(lambda: fields.append(model_fields_from_directory(str(tmp_path / "up")))) == []
+    made = []
+    assert len(single(lambda: made.append(ModelConfig.from_dict(fields[0])))) == 1  # (stated in Python: the user's)
+    assert single(lambda: build_hf_model(made[0])) == []  # (a model of a config checks it again: said once)
+    from test_train import overrides
+
+    from attnres.train import load_config, train
+
+    run = [a for a in overrides(tmp_path / "corpus.txt", tmp_path / "run", steps=1, warmup_steps=0, **{
+           "model.from_hf": str(tmp_path / "up"), "init_from": str(tmp_path / "up"), "data.tokenizer": "bpe"})
+           if not a.startswith("model=")]
+    assert single(lambda: train(load_config(None, run))) == []
 
 
 def test_upcycle_warns_of_a_setting_its_variant_does_not_read():

@@ -311,6 +311,27 @@ def test_a_family_model_may_set_its_own_head_dim():
         ModelConfig(**fields)
 
 
+def test_a_family_config_value_of_a_type_yaml_gives_is_taken_or_named():
+    """docs/upcycling.md's "set router_aux_loss_coef to 0" (`model.hf_config.router_aux_loss_coef=0`,
+    an integer in YAML) ended the run's set-up, after the data was tokenised, in huggingface_hub's
+    traceback "expected float, got int"; it is the float 0.0. A value the family's config refuses
+    otherwise is said where the config is made, naming the field."""
+    pytest.importorskip("yaml")
+    from attnres.hf.families.build import build_hf_model
+    from attnres.models import ModelConfig
+    from attnres.train import load_config
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    model = build_hf_model(ModelConfig.preset("tiny", hf_architecture="qwen3_moe",
+                                              hf_config={**moe, "router_aux_loss_coef": 0}))
+    assert model.config.router_aux_loss_coef == 0.0 and isinstance(model.config.router_aux_loss_coef, float)
+    base = ["model.hf_architecture=qwen3_moe", *(f"model.hf_config.{k}={v}" for k, v in moe.items())]
+    with pytest.raises(ValueError, match=r"ModelConfig.hf_config: the 'qwen3_moe' config refuses it: .*'hidden_act' "
+                                         r"expected str, got int \(value: 3\)"):
+        load_config(None, [*base, "model.hf_config.hidden_act=3"])
+    assert load_config(None, [*base, "model.hf_config.router_aux_loss_coef=0"]).model.hf_config["router_aux_loss_coef"] == 0
+
+
 # -- expert load -------------------------------------------------------------------------
 
 def test_expert_load_is_the_originals_at_conversion_and_well_formed():

@@ -34,7 +34,7 @@ __all__ = ["CheckpointRemoved", "Source", "WEIGHT_READ_ERRORS", "find_valid_chec
            "no_checkpoint_at", "refuse_loading_training_output", "refuse_mismatched_weights", "refuse_missing_shards",
            "refuse_missing_weights",
            "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint",
-           "set_aside_newer", "training_output", "unreadable_weights", "verify_checkpoint"]
+           "set_aside_newer", "train_on_from", "training_output", "unreadable_weights", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -232,6 +232,24 @@ def training_output(path: str | Path) -> str | None:
     if path.name == "checkpoints" and checkpoint_dirs(path.parent):
         return f"the checkpoints/ folder of the training run {str(path.parent)!r}"
     return None
+
+
+def train_on_from(path: str | Path) -> tuple[str | None, str]:
+    """How to train on from the weights of ``path``, a training run, one of its checkpoints or
+    its ``checkpoints/`` folder (:func:`training_output`): the transformers architecture its run
+    trains (``model.hf_architecture`` of the run's ``config.json``; ``None`` for attnres's own
+    model, or a config that does not read) and the command that does it with the run's own
+    config, which builds its model (``init_from=RUN`` alone builds the default model, refused
+    where the run's is another, a transformers family's or a deeper one)."""
+    path = Path(path)
+    run = path.parent if path.name == "checkpoints" else \
+        path.parent.parent if path.parent.name == "checkpoints" else path
+    try:
+        architecture = json.loads((run / "config.json").read_text())["model"].get("hf_architecture")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (no readable config: said by the command)
+        architecture = None
+    return architecture or None, (f"attnres train --config {shell_path(run / 'config.json')} "
+                                  f"init_from={shell_path(path)} out_dir=DIR")
 
 
 def refuse_training_output(path: str | Path) -> None:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..models import IGNORE_INDEX, AttnResLM, next_token_loss, run_sublayers
+from ..models import IGNORE_INDEX, AttnResLM, next_token_loss, require_attnres_lm, run_sublayers
 from ..models.trunk import plain_call
 from ..nn.residual import AttnResBase, DepthHistory
 from ..validation import Fields
@@ -358,6 +358,7 @@ class PipelineRunner:
 
     def __init__(self, model: AttnResLM, config: PipelineConfig, group: dist.ProcessGroup | None = None,
                  device: torch.device | None = None, dtype: torch.dtype | None = None, sequence_shards: int = 1) -> None:
+        require_attnres_lm(model, "PipelineRunner")
         self.config, self.group = config, group
         world = dist.get_world_size(group)
         if world != config.n_ranks:

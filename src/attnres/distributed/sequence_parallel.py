@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..models import AttnResLM
+from ..models import AttnResLM, require_attnres_lm
 from ..nn.kv_cache import KVCache
 
 
@@ -115,6 +115,7 @@ def sharded_prefill(model: AttnResLM, input_ids: Tensor, group=None, build_cache
     ``T`` must be divisible by ``P``, and the residual must describe its depth sources
     (``history_layout``: standard, Block and Full AttnRes do; hyper-connections, mHC and
     DenseFormer do not). See the module docstring."""
+    require_attnres_lm(model, "sharded_prefill")
     model.check_input_ids(input_ids)
     _check_sources_described(model)
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -4,7 +4,7 @@ found through :mod:`.hf_registry`)."""
 
 from .config import PRESETS, ModelConfig, ResidualConfig
 from .factory import build_model
-from .lm import AttnResLM, LMOutput
+from .lm import AttnResLM, LMOutput, require_attnres_lm
 from .trunk import IGNORE_INDEX, DecoderTrunk, next_token_loss, run_sublayers
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "ResidualConfig",
     "PRESETS",
     "AttnResLM",
+    "require_attnres_lm",
     "build_model",
     "LMOutput",
     "DecoderTrunk",

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, reading_stored, renamed_attribute
+from ..migrations import (FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, reading_stored, renamed_attribute,
+                          stored_config)
 from ..nn.residual import (ResidualConfig, build_residual, registered_residuals, residual_class,
                            validate_residual_config)
 from ..nn.residual.config import VARIANT_FIELDS, merge_residual
@@ -342,8 +343,14 @@ class ModelConfig:
             return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (validated); ``residual`` changes only what it names."""
-        return self.from_dict(_merge(self.to_dict(), migrate_model_keys(changes)))
+        """A copy with some fields changed (validated); ``residual`` changes only what it names, and
+        so does ``hf_config`` where ``hf_architecture`` stays.
+        A copy whose residual and depth are this config's is not warned of a single block again
+        (this config was, where it was made: ``replace(vocab_size=...)`` said it once more)."""
+        changes = migrate_model_keys(changes)
+        restated = changes.keys() & {"residual", "n_layers"}  # (what the single-block warning reads)
+        with contextlib.nullcontext() if restated else stored_config():
+            return self.from_dict(_merge(self.to_dict(), changes))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -381,10 +388,16 @@ accept_old_keys(ModelConfig, migrate_model_keys, SECTIONS)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``changes``; the ``residual`` entry merged (see ``ModelConfig.replace``)."""
+    """``base`` with ``changes``; the ``residual`` entry merged (see ``ModelConfig.replace``), and
+    the ``hf_config`` one of the same architecture: ``model.from_hf=DIR model.hf_config.X=...``
+    dropped every other field of the directory's family config (its activation, scaled RoPE,
+    expert counts), building the family's defaults from its weights."""
     out = {**base, **changes}
     if "residual" in changes:
         out["residual"] = merge_residual(base.get("residual"), changes["residual"])
+    same_architecture = changes.get("hf_architecture", base.get("hf_architecture")) == base.get("hf_architecture")
+    if same_architecture and isinstance(changes.get("hf_config"), dict) and isinstance(base.get("hf_config"), dict):
+        out["hf_config"] = {**base["hf_config"], **changes["hf_config"]}
     return out
 
 

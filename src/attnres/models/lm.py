@@ -203,3 +203,13 @@ class AttnResLM(DecoderTrunk):
     def residual_parameters(self) -> int:
         """Parameters added by the residual mechanism: ``2 (L + 1) d`` for AttnRes."""
         return sum(p.numel() for p in self.residual.parameters())
+
+
+def require_attnres_lm(model: object, who: str) -> None:
+    """Raise ``TypeError`` where ``model``, given to ``who`` (what runs attnres's own decoder:
+    ``sharded_prefill``, ``PipelineRunner``), is not an :class:`AttnResLM`: a transformers model
+    (an upcycle, an export) stopped there in "object has no attribute 'check_input_ids'"."""
+    if not isinstance(model, AttnResLM):
+        raise TypeError(f"{who} takes attnres's own model (an AttnResLM); got {type(model).__name__}: an export of "
+                        "attnres's own model (AttnResForCausalLM) is one after .to_native(), and a transformers "
+                        "family's model (an upcycle) runs whole, with its own forward")

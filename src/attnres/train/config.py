@@ -12,7 +12,7 @@ from typing import Any
 
 from ..data.corpus import read_text_file
 from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
-from ..migrations import accept_old_keys, migrate_train_keys
+from ..migrations import accept_old_keys, migrate_train_keys, stored_config
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import (PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig, read_quietly,
                              residual_fields_given, stated, warn_unread_residual_fields)
@@ -433,8 +433,7 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            return stated(lambda: ModelConfig.from_dict(_fields_of_hf_directory(source)).replace(**fields),
-                          residual_fields_given(fields))
+            return stated(lambda: _model_of_hf_directory(source).replace(**fields), residual_fields_given(fields))
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
         if preset is not None:  # (a list or mapping here failed in a dict lookup, with a traceback)
@@ -444,18 +443,28 @@ def model_from_spec(spec: Any) -> ModelConfig:
     raise AssertionError  # unreachable: _fail raises
 
 
+def _model_of_hf_directory(source: Any) -> ModelConfig:
+    """The ``ModelConfig`` of the saved transformers model in ``source`` (``model.from_hf``),
+    read as a stored config: its single block was said by the upcycle that wrote it, not by
+    each run (or each of a run's checks) that reads it."""
+    fields = _fields_of_hf_directory(source)
+    with stored_config():
+        return ModelConfig.from_dict(fields)
+
+
 def _fields_of_hf_directory(source: Any) -> dict[str, Any]:
     """``model.from_hf=DIR``: the ``ModelConfig`` fields of the saved transformers model in DIR;
     what is wrong with DIR is said by the field (a training run's directory, whose config.json
     is the run's, failed in transformers: "Unrecognized model in DIR")."""
-    from ..checkpoint.locate import training_output
+    from ..checkpoint.locate import train_on_from, training_output
 
     allowed = "a saved transformers model's directory, holding config.json (e.g. attnres upcycle's --out)"
     found = training_output(str(source))
-    if found is not None:
-        fail("TrainConfig", "model.from_hf", allowed, source, f": it is {found}; start from its weights with "
-             f"init_from={shell_path(source)} (and the run's model settings), or `attnres export` it and give the "
-             "export")
+    if found is not None:  # (an export of attnres's own model is no model.from_hf either: refused as such)
+        architecture, command = train_on_from(str(source))
+        export = ", or `attnres export` it and give the export" if architecture else ""
+        fail("TrainConfig", "model.from_hf", allowed, source, f": it is {found}; start from its weights with its "
+             f"run's config (`{command}`){export}")
     if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
         fail("TrainConfig", "model.from_hf", allowed, source, yaml_typed_hint(source))
     try:

@@ -342,7 +342,8 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
         theirs, match = "the checkpoint's", "set the fields as the checkpoint has them (or pass its run's --config)"
     # (as the model reads them, as a residual change is refused: a field left unset and the value it resolves to,
     # or a block size that Full AttnRes does not read, were "another model")
-    ours = ModelConfig.from_dict(model)  # (built once: the residual check and the fields as read)
+    with stored_config():  # (the run's model, warned of when its config was made: its single block said again here)
+        ours = ModelConfig.from_dict(model)  # (built once: the residual check and the fields as read)
     (old, old_unset), (new, new_unset) = _model_as_read(saved), _model_as_read(ours)
     differing = _differing(old, new, _NOT_A_MODEL_CHANGE, old_unset & new_unset)
     if directory and not changed_residual_fields(saved, ours):

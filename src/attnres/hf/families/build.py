@@ -9,10 +9,16 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from ...migrations import stored_config
 from ...nn.residual import ResidualConfig
 from ...validation import did_you_mean_each
 from .classes import register_families, upcycled_classes
 from .modeling import PREFIX
+
+try:  # (transformers' configs are strict dataclasses from huggingface_hub 1.0 on: a wrong type is refused so)
+    from huggingface_hub.errors import StrictDataclassError as _FieldRefused
+except ImportError:  # pragma: no cover - an older huggingface_hub
+    _FieldRefused = TypeError
 
 __all__ = ["build_hf_model", "check_hf_config", "hf_config_of", "model_fields_of", "model_fields_from_directory"]
 
@@ -42,6 +48,23 @@ def _family_fields(family: str) -> tuple[frozenset[str], dict[str, str]]:
     return frozenset(config_cls().to_dict()), dict(config_cls.attribute_map)
 
 
+@functools.cache
+def _float_fields(family: str) -> frozenset[str]:
+    """The config fields of ``family`` whose defaults are floats (``router_aux_loss_coef``):
+    transformers' strict configs refuse an integer there, which YAML makes of ``0``."""
+    config_cls, _ = upcycled_classes(family)
+    return frozenset(k for k, v in config_cls().to_dict().items() if isinstance(v, float))
+
+
+def _in_family_types(family: str, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``hf_config`` with an integer given for a float field as that float: the docs' "set
+    router_aux_loss_coef to 0" (``model.hf_config.router_aux_loss_coef=0``) ended the run's
+    set-up in a traceback, "expected float, got int"."""
+    floats, aliases = _float_fields(family), _family_fields(family)[1]
+    return {k: float(v) if aliases.get(k, k) in floats and isinstance(v, int) and not isinstance(v, bool) else v
+            for k, v in hf_config.items()}
+
+
 def check_hf_config(config) -> None:
     """Raise ``ValueError`` when ``config.hf_config`` (a ``ModelConfig`` with
     ``hf_architecture``) holds a key its family's config does not know (a misspelt field
@@ -60,6 +83,11 @@ def check_hf_config(config) -> None:
                                  lambda near: f" (set by model.{ours[near]})" if near in ours else "")
         raise ValueError(f"unknown ModelConfig.hf_config key(s) {unknown} for hf_architecture="
                          f"{config.hf_architecture!r}{hint}; known keys: {sorted(known)}")
+    try:  # (the values: a type the family's config refuses was a traceback where the model was built)
+        _family_config(config)
+    except (_FieldRefused, TypeError) as e:
+        raise ValueError(f"ModelConfig.hf_config: the {config.hf_architecture!r} config refuses it: "
+                         f"{' '.join(str(e).split())}") from None
 
 
 def hf_config_of(config) -> PretrainedConfig:
@@ -69,15 +97,21 @@ def hf_config_of(config) -> PretrainedConfig:
     if config.hf_architecture is None:
         raise ValueError("ModelConfig.hf_architecture is None: this is a native model (attnres.AttnResLM)")
     check_hf_config(config)
+    return _family_config(config)
+
+
+def _family_config(config) -> PretrainedConfig:
+    """:func:`hf_config_of` ``config``, its ``hf_config`` keys not checked."""
     config_cls, _ = upcycled_classes(config.hf_architecture)
     fields: dict[str, Any] = {hf: getattr(config, ours) for ours, hf in FIELD_HF_NAMES.items()}
     fields["num_key_value_heads"] = config.kv_heads
     fields["intermediate_size"] = config.hidden_size
     fields["head_dim"] = config.head_dim
     fields["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    fields.update(config.hf_config)
+    fields.update(_in_family_types(config.hf_architecture, config.hf_config))
     fields["attnres_residual"] = config.residual.to_dict()
-    return config_cls(**fields)
+    with stored_config():  # (config's residual was checked, and a single block warned of, when config was made)
+        return config_cls(**fields)
 
 
 def build_hf_model(config) -> PreTrainedModel:

@@ -129,7 +129,9 @@ REFUSED: dict[str, str] = {
                      "experts whose output skips the second pair (a shortcut): not the two-sublayer PreNorm layout",
     "gemma3": "Gemma 3's multimodal model: upcycle its text model (model_type 'gemma3_text')",
     NATIVE_MODEL_TYPE: "it is attnres's own model (an `attnres export` of a training run), AttnRes already: use it as "
-                       "it is (attnres generate / eval / analyze), or train on from its run (`attnres train init_from=RUN`)",
+                       "it is (attnres generate / eval / analyze), or train on from its run with the run's config "
+                       "(`attnres train --config RUN/config.json init_from=RUN out_dir=DIR`; init_from=RUN alone builds "
+                       "the default model)",
 }
 
 

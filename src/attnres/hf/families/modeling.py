@@ -292,15 +292,16 @@ class UpcycledConfigMixin(SavesAutoMap):
         contents), refusing a config that lacks the AttnRes fields or names another model
         (:func:`attnres.models.saved_config.check_saved_config`). The residual keys of an
         earlier version it stores (``attnres_residual.impl``, ``kernels``) are migrated without
-        a warning: the user never wrote them."""
+        a warning, and its single block is not warned of again (the upcycle or export that wrote
+        it did): the user never wrote them."""
         source = config_source(kwargs)
         check_saved_config(config_dict, model_type=cls.model_type, architectures=(cls.architecture,),
                            required=SAVED_FIELDS, source=source, given=kwargs)
-        if isinstance(config_dict.get("attnres_residual"), dict):
-            with stored_config():  # (an earlier upcycle's spellings: no warning about what it stores)
+        with stored_config():  # (an earlier upcycle's spellings, a single block: said when it was written, not per read)
+            if isinstance(config_dict.get("attnres_residual"), dict):
                 config_dict = {**config_dict, "attnres_residual": migrate_residual_keys(
                     config_dict["attnres_residual"], f"{cls.__name__}.attnres_residual")}
-        return naming_source(source, lambda: super(UpcycledConfigMixin, cls).from_dict(config_dict, **kwargs))
+            return naming_source(source, lambda: super(UpcycledConfigMixin, cls).from_dict(config_dict, **kwargs))
 
     def residual_kind(self) -> str:
         return self.attnres_residual["kind"]

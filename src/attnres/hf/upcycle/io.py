@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ...checkpoint.locate import (SMOLLM2, WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
-                                  refuse_missing_weights, refuse_training_output, training_output, unreadable_weights)
+                                  refuse_missing_weights, refuse_training_output, train_on_from, training_output,
+                                  unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...shell_words import shell_path
@@ -141,9 +142,11 @@ def check_layout(source: Path, kw: dict[str, Any], check_config: Callable[[Any],
     from ..families import layout_of
 
     if (found := training_output(source)) is not None:  # (its config.json is the run's: "Unrecognized model")
-        raise ValueError(f"--model {str(source)!r} is {found}, attnres's own model, AttnRes already: use it as it is "
-                         f"(attnres generate / eval / analyze), or train on from it "
-                         f"(`attnres train init_from={shell_path(source)}`)")
+        architecture, command = train_on_from(source)  # (a run of model.from_hf: not attnres's own model)
+        what = f"an AttnRes model of transformers' {architecture!r} architecture" if architecture else \
+            "attnres's own model"
+        raise ValueError(f"--model {str(source)!r} is {found}, {what}, AttnRes already: use it as it is (attnres "
+                         f"generate / eval / analyze), or train on from it with its run's config (`{command}`)")
     if not kw and source.is_dir() and not (source / "config.json").is_file():  # (transformers: "Unrecognized model")
         raise ValueError(f"--model {str(source)!r} holds no config.json: it is not a save_pretrained directory"
                          f"{_model_below(source)}")
