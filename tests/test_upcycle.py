@@ -2071,3 +2071,22 @@ def test_upcycle_docstring_names_residual_fields_of_this_version():
     named = re.findall(r"``(\w+)``", listed)
     assert named and not set(named) & set(RESIDUAL_RENAMES)
     assert set(named) <= {f.name for f in dataclasses.fields(ResidualConfig)}
+
+
+def test_a_residual_of_every_field_beside_from_hf_is_read_back_as_beside_a_preset(tmp_path):
+    """``TrainConfig(model={"from_hf": DIR, "residual": config.residual.to_dict()})`` - a
+    residual mapping of every field, as read back - warned of its block size under Full AttnRes
+    (``residual_fields_given``), where ``TrainConfig(model={"residual": ...})`` over the preset
+    read the same mapping back without a word (``residual_fields_stated``). Both now count the
+    fields as stated in Python: a mapping of every field says nothing, a field written says it."""
+    from attnres.models import ModelConfig
+    from attnres.nn.residual.config import ResidualConfig
+    from attnres.train import TrainConfig
+
+    base_model("llama", max_position_embeddings=128).save_pretrained(tmp_path / "plain")  # (seq_len's default)
+    every = ResidualConfig(kind="attnres_full", block_size=4).to_dict()
+    for model in ({"residual": every}, {"from_hf": str(tmp_path / "plain"), "residual": every}):
+        assert warned(lambda: TrainConfig(model=model), "block_size") == [], model
+    assert warned(lambda: ModelConfig.preset("tiny", residual=every), "block_size") == []
+    written = {"from_hf": str(tmp_path / "plain"), "residual": {"kind": "attnres_full", "block_size": 4}}
+    assert len(warned(lambda: TrainConfig(model=written), "block_size")) == 1

@@ -15,7 +15,7 @@ from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
 from ..migrations import accept_old_keys, migrate_train_keys, stored_config
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import (PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig, read_quietly,
-                             residual_fields_given, stated, warn_unread_residual_fields)
+                             residual_fields_given, residual_fields_stated, stated, warn_unread_residual_fields)
 from ..models.hf_registry import hf_hook
 from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
@@ -433,7 +433,9 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            return stated(lambda: _model_of_hf_directory(source).replace(**fields), residual_fields_given(fields))
+            # (the fields stated in Python, as the preset's path below counts them: a residual mapping of every field
+            # is one read back, not the user's - TrainConfig(model=...) in Python; a config file warns of its own)
+            return stated(lambda: _model_of_hf_directory(source).replace(**fields), residual_fields_stated(fields))
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
         if preset is not None:  # (a list or mapping here failed in a dict lookup, with a traceback)
