@@ -400,6 +400,9 @@ class Trainer:
             if self.wandb is not None:
                 self.wandb.update_config(self.config.to_dict())
             self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step, self.wandb)
+            if self.logger.kept_aside is not None:  # (an earlier start's log, of no checkpoint: not replaced unsaid)
+                print(f"attnres train: kept the metrics.jsonl an earlier start left in out_dir (no checkpoint) as "
+                      f"{self.logger.kept_aside.name}")
             self.wandb = None  # the log's to close now
             if self.start.resume is not None and self.data.changed:  # (the eval records after it: of other text)
                 before = (self.start.resume.state.get("data") or {}).get("fingerprint")
