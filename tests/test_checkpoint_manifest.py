@@ -544,3 +544,38 @@ def test_a_step_that_cannot_be_renamed_back_either_is_restored_at_the_next_start
         remove_partial_checkpoints(run)
     assert [p.name for p in checkpoint_dirs(run)] == ["step-00000001"]
     assert read_checkpoint_state(run / "checkpoints" / "step-00000001")["step"] == 1
+
+
+def test_a_run_whose_step_a_kill_moved_aside_resumes_from_it_by_that_name_and_is_still_a_run(tmp_path, capsys):
+    """``--resume-from RUN/checkpoints/.old-step-X`` (the name attnres status and the readers
+    show after a kill between publish_checkpoint's two renames) into its own run failed in
+    "does not exist": the start renames it back to step-X before looking it up. It resumes
+    from step-X, saying so. And a ``checkpoints/`` folder whose only entry is that
+    ``.old-step-X`` was no run's: training_output did not name it, and ``out_dir=RUN/checkpoints``
+    was not refused as a run's checkpoints folder."""
+    import warnings
+
+    from test_train import overrides, write_corpus
+
+    from attnres.checkpoint.locate import refuse_out_dir_not_a_run, training_output
+    from attnres.output_paths import OutputPathError
+    from attnres.train import load_config, train
+
+    run, corpus = tmp_path / "run", write_corpus(tmp_path / "corpus.txt")
+    common = overrides(corpus, run, steps=4, warmup_steps=0, eval_every=100, diagnostics_every=100, checkpoint_every=2,
+                       keep_checkpoints=1)
+    train(load_config(None, [*common, "stop_after=2"]))
+    checkpoints = run / "checkpoints"
+    (checkpoints / "step-00000002").rename(checkpoints / ".old-step-00000002")  # (killed writing step 2 again)
+    assert [p.name for p in checkpoints.iterdir()] == [".old-step-00000002"]
+    assert training_output(checkpoints) == f"the checkpoints/ folder of the training run {str(run)!r}"
+    with pytest.raises(OutputPathError, match=r"is the checkpoints/ folder of the run .*not a run directory"):
+        refuse_out_dir_not_a_run(checkpoints)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the restore's own warning)
+        train(load_config(None, [*common, f"resume_from={checkpoints / '.old-step-00000002'}"]))
+    out = capsys.readouterr().out
+    assert ("attnres train: resuming step-00000002: the start renamed .old-step-00000002 (a step a kill left moved "
+            "aside) back to it") in out
+    assert "resuming" in out and "at step 2" in out and (checkpoints / "step-00000004").is_dir()

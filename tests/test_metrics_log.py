@@ -186,3 +186,37 @@ def test_a_line_of_the_wrong_types_is_skipped_as_unreadable(tmp_path, line, caps
     assert cli_main(["status", str(run)]) == 0
     pytest.importorskip("matplotlib")  # (attnres plot's extra, experiments)
     assert cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png"), "--x", "tokens"]) == 0
+
+
+def test_a_fresh_run_keeps_the_log_of_an_earlier_start_that_left_no_checkpoint(tmp_path, capsys):
+    """A run killed before its first checkpoint, then started again in the same out_dir: the
+    new run's metrics.jsonl replaced the first attempt's, its only record of the steps it
+    trained, without a word. The earlier log is moved aside (metrics.jsonl.old-1, then -2, ...)
+    and one line says so; an empty log (a start that trained no step) is just replaced."""
+    from test_train import overrides, write_corpus
+
+    from attnres.train import load_config, train
+
+    first = MetricsLogger(tmp_path, tensorboard=False, resume_step=None)
+    assert first.kept_aside is None  # (nothing there before it)
+    first.log("train", 10, loss=1.0)
+    first.close()
+    again = MetricsLogger(tmp_path, tensorboard=False, resume_step=None)
+    assert again.kept_aside == tmp_path / "metrics.jsonl.old-1"
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl.old-1")] == [10]
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+    assert MetricsLogger(tmp_path, tensorboard=False, resume_step=None).kept_aside is None  # (empty: nothing kept)
+
+    run = tmp_path / "run"  # a killed run: its config and log, no checkpoint
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    run.mkdir()
+    killed = MetricsLogger(run, tensorboard=False, resume_step=None)
+    killed.log("train", 1, loss=5.0)
+    killed.close()
+    (run / "metrics.jsonl.old-1").write_text("")  # (taken: the next free name is used)
+    capsys.readouterr()
+    train(load_config(None, overrides(corpus, run, steps=1, warmup_steps=0, eval_every=100, diagnostics_every=100)))
+    assert ("attnres train: kept the metrics.jsonl an earlier start left in out_dir (no checkpoint) as "
+            "metrics.jsonl.old-2\n") in capsys.readouterr().out
+    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl.old-2")] == [5.0]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1]

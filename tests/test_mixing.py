@@ -944,3 +944,20 @@ def test_analyze_compare_of_a_model_with_itself_is_refused(tmp_path, capsys):
     # an earlier step is another model: it gets as far as loading (these state.json files are no checkpoint's)
     with pytest.raises(CheckpointError, match="is not an attnres checkpoint manifest"):
         write_analysis(run, run / "checkpoints" / "step-1", tmp_path / "out")
+
+
+def test_an_all_nan_panel_draws_without_warning_and_says_it_has_nothing_to_show():
+    """A diff panel of only NaN (two models whose mixing was not finite) warned numpy's "All-NaN
+    slice encountered" and drew a blank panel, as if the difference were drawn and empty. No
+    warning now; that panel, and any other without a finite value, says there is nothing to show."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from attnres.analysis.mixing_report import plot_mixing_panels
+
+    nan = torch.full((3, 3), float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plot_mixing_panels([("A", torch.eye(3), None), ("B", nan, None)], diff=("A - B", nan))
+    said = [[t.get_text() for t in ax.texts] for ax in fig.axes if ax.images]
+    assert said == [[], ["nothing to show:\nno finite value"], ["nothing to show:\nno finite value"]]

@@ -374,3 +374,18 @@ def test_the_documented_python_example_runs_as_written_on_two_ranks(tmp_path):
         # PYTHONUNBUFFERED=1 lost about a third of such lines, none of one f-string's).
         assert re.search(rf"rank {rank}: loss \d+\.\d{{4}}(?!\d)", out), out
         assert f"equal to one process on rank {rank}" in out, out
+
+
+def test_the_documented_pipeline_command_says_its_small_step_count_and_loads():
+    """docs/distributed-pipeline.md's ``attnres train parallel.pp=2 ...`` command ran the default
+    1000 steps (minutes on 2 cores) without saying so. It names a small ``steps=``, the comment
+    above it says that count, and its overrides load as a config (a pipeline of 2 stages)."""
+    from attnres.train import load_config
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "distributed-pipeline.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", doc, re.S).group(1)
+    command = " ".join(line.strip().rstrip("\\") for line in block.splitlines() if not line.startswith("#"))
+    overrides = command.split(" -m attnres train ", 1)[1].split()
+    config = load_config(None, overrides)
+    assert config.parallel.pp == 2 and config.steps <= 100, overrides
+    assert f"{config.steps} steps" in block and "half a minute" in block, block

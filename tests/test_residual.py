@@ -677,7 +677,7 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
     if not warns:
         assert said == []
         return
-    assert said == [f"model.residual.block_size (attnres upcycle's --block-size) = {block_size} is at least the model's "
+    assert said == [f"ModelConfig.residual.block_size = {block_size} is at least the model's "
                     "6 sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed block to attend "
                     "over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it is 1: 6 blocks (about "
                     "8 where the depth allows, as the report recommends, §3.2)"]
@@ -741,7 +741,7 @@ def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_doe
     with pytest.raises(ValueError, match="ModelConfig.residual.kind must be one of .*got 'attnres_blok'"):
         build_residual("attnres_blok", 8, 4)
     said = _warnings_of(lambda: build_residual({"kind": "attnres_block", "block_size": 8}, 8, 4))
-    assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
+    assert [m.split(" = ")[0] for m in said] == ["ModelConfig.residual.block_size"]
 
 
 def test_a_variants_from_config_refuses_a_config_of_another_kind():
@@ -779,7 +779,7 @@ def test_a_block_attnres_built_as_one_block_in_ones_own_model_warns_once(n_subla
     said = _warnings_of(lambda: (
         ModelConfig(d_model=8, n_layers=n_sublayers // 2, n_heads=2, residual={"kind": "attnres_block", "block_size": block_size}),
         build_residual(ResidualConfig(kind="attnres_block", block_size=block_size), 8, n_sublayers)))
-    assert [m.split(" = ")[0] for m in said] == ["model.residual.block_size (attnres upcycle's --block-size)"]
+    assert [m.split(" = ")[0] for m in said] == ["ModelConfig.residual.block_size"]
 
 
 def test_the_single_block_warning_of_a_one_layer_model_gives_its_own_default():
@@ -796,3 +796,31 @@ def test_the_single_block_warning_of_a_one_layer_model_gives_its_own_default():
     said = " ".join(str(w.message) for w in caught)
     assert "the model's 2 sublayers (1 layer of 2)" in said
     assert "unset, it is 1: 2 blocks (about 8 where the depth allows" in said
+
+
+def test_the_single_block_warning_names_the_block_size_as_each_path_writes_it():
+    """A single block was warned of as "model.residual.block_size (attnres upcycle's
+    --block-size) = 8" whatever the path: a plain ``ModelConfig(...)`` or ``AttnResConfig(...)``
+    was pointed at a flag of a command the user never ran. Each path now names the field as
+    the user wrote it there; upcycle keeps its flag."""
+    from attnres.models import ModelConfig
+    from attnres.train import TrainConfig, load_config
+
+    block = {"kind": "attnres_block", "block_size": 8}  # (the tiny preset: 2 layers, 4 sublayers)
+
+    def named(call):
+        return [m.split(" = ")[0] for m in _warnings_of(call) if "single block" in m]
+
+    assert named(lambda: ModelConfig.preset("tiny", residual=dict(block))) == ["ModelConfig.residual.block_size"]
+    assert named(lambda: TrainConfig(model={"preset": "tiny", "residual": dict(block)})) == ["model.residual.block_size"]
+    assert named(lambda: load_config(None, ["model=tiny", "model.residual.block_size=8"])) == \
+        ["model.residual.block_size"]
+    pytest.importorskip("transformers")
+    from attnres.hf import AttnResConfig
+    from attnres.upcycle import upcycle
+    from fixtures.tiny_families import tiny_model
+
+    fields = {**ModelConfig.preset("tiny").to_dict(), "residual": dict(block)}
+    assert named(lambda: AttnResConfig(**fields)) == ["AttnResConfig.residual['block_size']"]
+    assert named(lambda: upcycle(tiny_model("llama"), block_size=8)) == \
+        ["model.residual.block_size (attnres upcycle's --block-size)"]

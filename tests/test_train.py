@@ -1168,7 +1168,7 @@ def test_a_single_block_run_is_warned_of_where_it_is_stated_not_where_its_stored
     assert single(lambda: load_run(run)) == []
     restated = single(lambda: cli_main(["train", "--resume", f"out_dir={run}", "--print-config",
                                         "model.residual.block_size=5"]))
-    assert len(restated) == 1 and "block_size (attnres upcycle's --block-size) = 5" in restated[0]
+    assert len(restated) == 1 and "model.residual.block_size = 5 is" in restated[0]
 
 
 def test_an_init_from_run_of_a_single_block_is_warned_of_once(tmp_path, corpus_file):
@@ -1182,7 +1182,7 @@ def test_an_init_from_run_of_a_single_block_is_warned_of_once(tmp_path, corpus_f
     stated = overrides(corpus_file, tmp_path / "init", steps=1, warmup_steps=0, eval_every=100, diagnostics_every=100,
                        init_from=str(run), allow_residual_change="true", **{"model.residual.block_size": 4})
     said = warned(lambda: train(load_config(None, stated)), "single block")
-    assert len(said) == 1 and "block_size (attnres upcycle's --block-size) = 4" in said[0], said
+    assert len(said) == 1 and "model.residual.block_size = 4 is" in said[0], said
 
 
 def test_a_resume_without_a_config_file_warns_of_the_runs_model_not_the_defaults(tmp_path, corpus_file):

@@ -2071,3 +2071,62 @@ def test_upcycle_docstring_names_residual_fields_of_this_version():
     named = re.findall(r"``(\w+)``", listed)
     assert named and not set(named) & set(RESIDUAL_RENAMES)
     assert set(named) <= {f.name for f in dataclasses.fields(ResidualConfig)}
+
+
+def test_a_residual_of_every_field_beside_from_hf_is_read_back_as_beside_a_preset(tmp_path):
+    """``TrainConfig(model={"from_hf": DIR, "residual": config.residual.to_dict()})`` - a
+    residual mapping of every field, as read back - warned of its block size under Full AttnRes
+    (``residual_fields_given``), where ``TrainConfig(model={"residual": ...})`` over the preset
+    read the same mapping back without a word (``residual_fields_stated``). Both now count the
+    fields as stated in Python: a mapping of every field says nothing, a field written says it."""
+    from attnres.models import ModelConfig
+    from attnres.nn.residual.config import ResidualConfig
+    from attnres.train import TrainConfig
+
+    base_model("llama", max_position_embeddings=128).save_pretrained(tmp_path / "plain")  # (seq_len's default)
+    every = ResidualConfig(kind="attnres_full", block_size=4).to_dict()
+    for model in ({"residual": every}, {"from_hf": str(tmp_path / "plain"), "residual": every}):
+        assert warned(lambda: TrainConfig(model=model), "block_size") == [], model
+    assert warned(lambda: ModelConfig.preset("tiny", residual=every), "block_size") == []
+    written = {"from_hf": str(tmp_path / "plain"), "residual": {"kind": "attnres_full", "block_size": 4}}
+    assert len(warned(lambda: TrainConfig(model=written), "block_size")) == 1
+
+
+def test_training_a_plain_family_directory_into_attnres_shows_no_load_report_of_the_new_residual(tmp_path):
+    """`attnres train model.from_hf=DIR init_from=DIR model.residual=attnres_block` of a plain
+    family directory printed transformers' LOAD REPORT listing the depth-attention weights as
+    MISSING ("Consider training on your downstream task"): the residual the run adds, expected
+    missing and started at its faithful init, shown as a problem. Its weights are not reported;
+    a weight the directory lacks otherwise is still refused by name."""
+    import logging
+
+    from test_train import overrides, write_corpus
+
+    from attnres.data.tokenizer import train_bpe
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    tok = train_bpe(corpus.read_text(), 300)
+    base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(tmp_path / "plain")
+    (tmp_path / "plain" / "tokenizer.json").write_text(tok.to_json())
+    argv = [a for a in overrides(corpus, tmp_path / "run", steps=1, warmup_steps=0, eval_every=100,
+                                 diagnostics_every=100, **{"model.from_hf": str(tmp_path / "plain"),
+                                                           "init_from": str(tmp_path / "plain"),
+                                                           "data.tokenizer": "bpe", "model.residual": "attnres_block"})
+            if not a.startswith("model=")]
+    logged = []  # (transformers' own handler holds the stream it found at its import: not the test's)
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    handler, attnres_llama = Record(), type(upcycle(base_model("llama")))
+    before = vars(attnres_llama).get("_keys_to_ignore_on_load_missing", "unset")
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        train(load_config(None, argv))
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in logged if "LOAD REPORT" in m or "MISSING" in m], logged
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    assert vars(attnres_llama).get("_keys_to_ignore_on_load_missing", "unset") == before  # (the class left as it was)

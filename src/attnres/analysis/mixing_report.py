@@ -133,11 +133,15 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
     axes = fig.subplots(1, len(items), squeeze=False)
     for k, (ax, (title, A, groups)) in enumerate(zip(axes[0], items)):
         n = A.shape[0]
+        finite = np.abs(A[np.isfinite(A)])
         if diff is not None and k == len(items) - 1:
-            lim = float(np.nanmax(np.abs(A))) or 1.0
-            im = ax.imshow(A, cmap="RdBu_r", vmin=-lim, vmax=lim)
+            # (over the finite entries only: np.nanmax of an all-NaN panel warned "All-NaN slice")
+            lim = float(finite.max()) if finite.size else 0.0
+            im = ax.imshow(A, cmap="RdBu_r", vmin=-(lim or 1.0), vmax=lim or 1.0)
         else:
             im = ax.imshow(A, cmap="viridis", norm=shared)  # (None: the panel's own scale)
+        if not finite.size:  # a blank panel said nothing of why
+            _say_nothing_to_show(ax)
         for g in groups or []:
             if g.start > 0:
                 ax.axvline(g.start - 0.5, color="white", lw=0.6)
@@ -158,6 +162,12 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
     if path is not None:
         save_figure_atomically(fig, path, "the mixing figure", dpi=120)
     return fig
+
+
+def _say_nothing_to_show(ax) -> None:
+    """Write across an empty panel that it has no finite value, so a blank is not read as a drawing."""
+    ax.text(0.5, 0.5, "nothing to show:\nno finite value", transform=ax.transAxes, ha="center", va="center",
+            fontsize=9, color="0.3")
 
 
 def _lower_triangle(M: torch.Tensor) -> np.ndarray:

@@ -229,7 +229,8 @@ def training_output(path: str | Path) -> str | None:
         return "a training run's directory (it holds checkpoints/)"
     if (path / STATE_FILE).is_file():
         return f"a training checkpoint (it holds {STATE_FILE})"
-    if path.name == "checkpoints" and checkpoint_dirs(path.parent):
+    # (replaced: a folder whose only step a kill left moved aside, .old-step-*, is still the run's)
+    if path.name == "checkpoints" and checkpoint_dirs(path.parent, replaced=True):
         return f"the checkpoints/ folder of the training run {str(path.parent)!r}"
     return None
 
@@ -293,7 +294,8 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
         run = path.parent.parent if path.parent.name == "checkpoints" else None
         what = f"a checkpoint of the run {str(run)!r}" if run is not None else "a training checkpoint"
         folder = str(path)
-    elif path.name == "checkpoints" and not (path / "checkpoints").is_dir() and checkpoint_dirs(path.parent):
+    elif path.name == "checkpoints" and not (path / "checkpoints").is_dir() and checkpoint_dirs(path.parent,
+                                                                                                 replaced=True):
         run, what, folder = path.parent, f"the checkpoints/ folder of the run {str(path.parent)!r}", None
     elif holds_hf_model(path):
         raise OutputPathError(f"out_dir {str(path)!r} is a Hugging Face directory: a training run written there would "

@@ -115,6 +115,14 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     """``attnres train``: errors in the config, data or checkpoints end the process with a
     one-line message; an interrupted run exits with 128 + the signal number. With
     ``print_config``, print the resolved config and exit."""
+    from ..nn.residual.block import naming_block_size
+    from ..train.config import BLOCK_SIZE_FIELD
+
+    with naming_block_size(BLOCK_SIZE_FIELD):  # (the single block's warning names the override, not upcycle's flag)
+        return _run_train(config_path, overrides, print_config)
+
+
+def _run_train(config_path: str | None, overrides: list[str], print_config: bool = False) -> int:
     import signal
 
     from ..checkpoint import refuse_out_dir_not_a_run

@@ -27,6 +27,7 @@ from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
 from .families.remote_code import SavesAutoMap
 from .families.residual_module import NATIVE_KEY, naming_residual_module, saved_residual_module
+from ..nn.residual.block import naming_block_size
 from ..nn.residual.config import ResidualConfig, keep_marks, marks_of, merge_residual
 from .families.build import FIELD_HF_NAMES
 
@@ -92,7 +93,7 @@ class _AttnResConfigMethods(SavesAutoMap):
             # (validates every field, naming the bad one; built as ModelConfig(...) is, it warns of a residual field
             # its variant does not read, as the user's statement - from_dict's config.json and from_model_config's
             # native config, read quietly, were warned of where they were stated)
-            self._checked(ModelConfig(**self._model_fields()))
+            self._native()
 
     @property
     def kv_heads(self) -> int:
@@ -168,7 +169,13 @@ class _AttnResConfigMethods(SavesAutoMap):
         single block and the residual fields its variant does not read are not warned of again
         where this config was; a field changed since is (``config.residual["block_size"] = 4``
         of a Full AttnRes config: read quietly, it was built as if S were not there)."""
-        return self._checked(ModelConfig(**self._model_fields()))
+        return self._native()
+
+    def _native(self) -> ModelConfig:
+        """:meth:`_checked` of the ``ModelConfig`` this config holds, its single block warned of
+        naming the field as written here (``AttnResConfig(residual={"block_size": 4})``)."""
+        with naming_block_size(f"{type(self).__name__}.residual['block_size']"):
+            return self._checked(ModelConfig(**self._model_fields()))
 
     def _model_fields(self) -> dict:
         """The :class:`attnres.ModelConfig` fields this config holds; ``residual`` as a

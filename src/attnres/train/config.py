@@ -15,8 +15,9 @@ from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
 from ..migrations import accept_old_keys, migrate_train_keys, stored_config
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import (PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig, read_quietly,
-                             residual_fields_given, stated, warn_unread_residual_fields)
+                             residual_fields_given, residual_fields_stated, stated, warn_unread_residual_fields)
 from ..models.hf_registry import hf_hook
+from ..nn.residual.block import naming_block_size
 from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
                           TextList, check_known_keys, fail, flatten, missing_path_hint, nearest, python_scalars,
@@ -411,6 +412,12 @@ def data_from_spec(spec: Any) -> DataConfig:
     return DataConfig(**spec)
 
 
+#: The block size as a training config names it, in the single block's warning (Python's
+#: ``ModelConfig.residual.block_size`` and upcycle's ``--block-size`` are other paths' names).
+BLOCK_SIZE_FIELD = "model.residual.block_size"
+
+
+@naming_block_size(BLOCK_SIZE_FIELD)
 def model_from_spec(spec: Any) -> ModelConfig:
     """A ``ModelConfig`` from a preset name, a ``ModelConfig``, or a mapping of fields over
     the preset named by its ``preset`` key (default: :data:`DEFAULT_MODEL_PRESET`, as for
@@ -433,7 +440,9 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            return stated(lambda: _model_of_hf_directory(source).replace(**fields), residual_fields_given(fields))
+            # (the fields stated in Python, as the preset's path below counts them: a residual mapping of every field
+            # is one read back, not the user's - TrainConfig(model=...) in Python; a config file warns of its own)
+            return stated(lambda: _model_of_hf_directory(source).replace(**fields), residual_fields_stated(fields))
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
         if preset is not None:  # (a list or mapping here failed in a dict lookup, with a traceback)
@@ -727,6 +736,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
+@naming_block_size(BLOCK_SIZE_FIELD)
 def configured(path: str | Path | None = None,
                overrides: list[str] | tuple[str, ...] = ()) -> tuple[TrainConfig, set[str]]:
     """:func:`load_config`'s config, not yet warned of, and the variant-specific residual fields

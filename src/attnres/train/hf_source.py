@@ -9,6 +9,8 @@ fills the residual with its faithful init (zero pseudo-queries, unit gains).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,10 @@ from ..shell_words import shell_path
 from ..progress import redraws_in_place, transformers_bars
 
 __all__ = ["hf_source", "load_hf_weights"]
+
+#: The residual's weights in an AttnRes family model's state dict (transformers' missing-key
+#: patterns are regular expressions, searched).
+RESIDUAL_KEYS = r"^residual\."
 
 
 def hf_source(path: str | Path) -> Source:
@@ -81,6 +87,25 @@ def _json_object(file: Path) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+@contextmanager
+def _residual_expected_missing(cls: type) -> Iterator[None]:
+    """Within, ``cls.from_pretrained`` takes the residual's weights missing from a directory as
+    expected: a plain family directory has none, and the run gives them their faithful init.
+    transformers printed its LOAD REPORT of them as MISSING ("Consider training on your
+    downstream task"); any other weight missing or unexpected is still reported (and a missing
+    one refused, :func:`load_hf_weights`). The class's own patterns are restored after."""
+    own = cls.__dict__.get("_keys_to_ignore_on_load_missing")
+    had = "_keys_to_ignore_on_load_missing" in cls.__dict__
+    cls._keys_to_ignore_on_load_missing = [*(cls._keys_to_ignore_on_load_missing or []), RESIDUAL_KEYS]
+    try:
+        yield
+    finally:
+        if had:
+            cls._keys_to_ignore_on_load_missing = own
+        else:
+            del cls._keys_to_ignore_on_load_missing
+
+
 def load_hf_weights(model, path: str | Path) -> None:
     """Copy the weights saved in ``path`` into ``model`` (an ``AttnRes<Family>ForCausalLM``
     built from the run's config); residual tensors the directory lacks get their faithful
@@ -88,7 +113,8 @@ def load_hf_weights(model, path: str | Path) -> None:
     param = next(model.parameters())
     refuse_missing_shards(f"init_from={str(path)!r}", path, "download or copy the model again")
     try:  # the run's own class: a plain family directory loads into its AttnRes version
-        with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log, as eval has it)
+        with transformers_bars(redraws_in_place()), _residual_expected_missing(type(model)):
+            # (its "Loading weights" bar: not in a log, as eval has it)
             loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
                                                           output_loading_info=True)
     except (RuntimeError, ValueError) as e:

@@ -73,6 +73,7 @@ from ..distributed.launch import (
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
+from ..nn.residual.block import naming_block_size
 from ..nn.residual.imports import imports_record
 from ..output_paths import OutputPathError, check_output_dir, write_text_atomically
 from ..progress import StepProgress
@@ -80,7 +81,7 @@ from ..shell_words import shell_path
 from ..user_warning import warn_user
 from ..termination import sigterm_raises
 from ..validation import missing_path_hint
-from .config import TrainConfig, flatten
+from .config import BLOCK_SIZE_FIELD, TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
 from .hf_source import load_hf_weights
 from .lock import RunLock, lock_run_dir
@@ -152,6 +153,7 @@ class TrainResult:
     val_step: int | None = None  # the step ``val_loss`` was measured at (None: unknown, or none measured)
 
 
+@naming_block_size(BLOCK_SIZE_FIELD)  # (a resume's run config, read again, names the field as the user wrote it)
 def train(config: TrainConfig, vocab_size_given: bool = False) -> TrainResult:
     """Run (or resume) the training run described by ``config``; see the module docstring.
     Returns a :class:`TrainResult`: the step reached, the last training and validation losses,
@@ -400,6 +402,9 @@ class Trainer:
             if self.wandb is not None:
                 self.wandb.update_config(self.config.to_dict())
             self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step, self.wandb)
+            if self.logger.kept_aside is not None:  # (an earlier start's log, of no checkpoint: not replaced unsaid)
+                print(f"attnres train: kept the metrics.jsonl an earlier start left in out_dir (no checkpoint) as "
+                      f"{self.logger.kept_aside.name}")
             self.wandb = None  # the log's to close now
             if self.start.resume is not None and self.data.changed:  # (the eval records after it: of other text)
                 before = (self.start.resume.state.get("data") or {}).get("fingerprint")

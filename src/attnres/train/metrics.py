@@ -133,6 +133,21 @@ def scalars(kind: str, values: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _set_aside(path: Path) -> Path | None:
+    """Move a non-empty log at ``path`` to ``<name>.old-N`` (the first N free) and return
+    where: a fresh run in the directory of one killed before its first checkpoint replaced
+    that run's only record of its steps without a word. An empty log (a start that trained no
+    step) holds nothing to keep."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while path.with_name(f"{path.name}.old-{n}").exists():
+        n += 1
+    aside = path.with_name(f"{path.name}.old-{n}")
+    os.replace(path, aside)
+    return aside
+
+
 class MetricsLogger:
     """Appends JSON records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard
     when the ``tensorboard`` package is installed and enabled, and to Weights & Biases through
@@ -146,6 +161,7 @@ class MetricsLogger:
 
     def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None, wandb: WandbMirror | None = None) -> None:
         self.path = out_dir / METRICS_FILE
+        self.kept_aside: Path | None = None  # (a fresh log's predecessor, moved aside: :func:`_set_aside`)
         if resume_step is not None and self.path.exists():
             # (a data_change record at the resume step is an earlier resume's from this checkpoint, which
             # writes none past it: this resume writes its own, if its data changed - two resumes from the
@@ -161,6 +177,7 @@ class MetricsLogger:
             finally:
                 tmp.unlink(missing_ok=True)
         elif resume_step is None:
+            self.kept_aside = _set_aside(self.path)
             self.path.write_text("")
         self.writer = None
         if tensorboard:

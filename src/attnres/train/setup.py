@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..checkpoint import (CheckpointError, Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint,
                           no_checkpoint_at, remove_partial_checkpoints, set_aside_newer)
-from ..checkpoint.manifest import OPTIMIZER_FILE
+from ..checkpoint.manifest import OPTIMIZER_FILE, REPLACED_PREFIX
 from ..data import (BatchSampler, TokenData, corpus_fingerprint, earlier_cache_tokenizer, load_corpus, prepare_data,
                    validation_batches)
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
@@ -54,10 +54,24 @@ def _owns(out_dir: Path, where: Path) -> bool:
     return where.resolve() in (out_dir.resolve(), ckpts) or where.resolve().parent == ckpts
 
 
+def _as_restored(out_dir: Path, where: Path) -> Path:
+    """``where``, or - a ``.old-step-*`` of ``out_dir``'s own checkpoints - the ``step-*`` the
+    start renamed it back to (``remove_partial_checkpoints``, before the resume is looked up):
+    ``--resume-from RUN/checkpoints/.old-step-X`` into its own run failed in "does not exist"."""
+    if where.name.startswith(REPLACED_PREFIX) and where.parent.resolve() == (out_dir / "checkpoints").resolve():
+        return where.with_name(where.name[len(REPLACED_PREFIX):])
+    return where
+
+
 def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: MainFirst) -> Source:
     """The newest checkpoint that verifies at ``resume_from`` (or in ``out_dir``); corrupted
     ones in this run's own directory are set aside, with a warning."""
     where = Path(config.resume_from) if config.resume_from is not None else out_dir
+    restored = _as_restored(out_dir, where)
+    if restored != where and main:
+        print(f"attnres train: resuming {restored.name}: the start renamed {where.name} (a step a kill left moved "
+              "aside) back to it")
+    where = restored
     set_aside = main and _owns(out_dir, where)
     # rank 0 verifies (hashes every file) and sets aside what does not verify; the others take its pick
     source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside, resuming=True), shared=True,

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from ...models.config import residual_fields_given, warn_unread_residual_fields
 from ...nn.residual import ResidualConfig, validate_residual_config
+from ...nn.residual.block import naming_block_size
 from ...nn.residual.config import merge_residual
 from ...shell_words import shell_path
 from ..families import layout_of, upcycled_classes, upcycled_config
@@ -18,6 +19,11 @@ from ..families import layout_of, upcycled_classes, upcycled_config
 __all__ = ["check_upcycle_residual", "upcycle"]
 
 
+#: The block size as upcycle names it, in the single block's warning: the field it sets and the command's flag.
+UPCYCLE_BLOCK_SIZE = "model.residual.block_size (attnres upcycle's --block-size)"
+
+
+@naming_block_size(UPCYCLE_BLOCK_SIZE)
 def upcycle(
     model: PreTrainedModel,
     residual: str | dict[str, Any] | ResidualConfig = "attnres_block",
@@ -74,6 +80,7 @@ def _residual_config(residual: str | dict[str, Any] | ResidualConfig, block_size
     return ResidualConfig.from_value(merge_residual(merge_residual(None, residual), change))
 
 
+@naming_block_size(UPCYCLE_BLOCK_SIZE)
 def check_upcycle_residual(config: Any, residual: str | dict[str, Any] | ResidualConfig, block_size: int | None = None,
                            **settings: Any) -> None:
     """Raise the ``ValueError`` :func:`upcycle` would raise for ``residual`` on the model of the

@@ -21,7 +21,8 @@ from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, h
 from ...shell_words import shell_path
 from ...validation import did_you_mean
 from ...hub import local_folder
-from .convert import check_upcycle_residual, upcycle
+from ...nn.residual.block import naming_block_size
+from .convert import UPCYCLE_BLOCK_SIZE, check_upcycle_residual, upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
 
@@ -222,6 +223,7 @@ def _forget_gguf_quantizer(model) -> None:
         del model.config.quantization_config
 
 
+@naming_block_size(UPCYCLE_BLOCK_SIZE)
 def upcycle_directory(source: str | Path, out: str | Path, residual: str | dict = "attnres_block",
                       block_size: int | None = None,
                       exact_eps: bool = True, dtype: torch.dtype = torch.float32) -> Path:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +21,7 @@ from .config import AttnResAblation, ResidualConfig
 from .kinds import refuse_other_kind
 from .registry import register_residual
 
-__all__ = ["BlockAttnRes", "BlockNaiveState", "BlockTwoPhaseState"]
+__all__ = ["BlockAttnRes", "BlockNaiveState", "BlockTwoPhaseState", "naming_block_size"]
 
 
 @dataclass
@@ -164,6 +167,24 @@ def _partial(state: BlockNaiveState | BlockTwoPhaseState) -> list[Tensor]:
 _SAID_SINGLE_BLOCK = "_attnres_single_block_said"
 
 
+#: The block size as the user wrote it on the path that checks the config, for the single
+#: block's warning: ``ModelConfig(...)`` in Python by default; ``attnres train`` and
+#: ``TrainConfig`` say ``model.residual.block_size``, upcycle its ``--block-size``,
+#: ``AttnResConfig(...)`` its ``residual`` (:func:`naming_block_size`).
+_BLOCK_SIZE_FIELD: ContextVar[str] = ContextVar("attnres_block_size_field", default="ModelConfig.residual.block_size")
+
+
+@contextmanager
+def naming_block_size(field: str) -> Iterator[None]:
+    """Within, a single block is warned of naming ``field``: the one the user wrote (an
+    upcycle's ``--block-size`` named for a plain ``ModelConfig(...)`` confused)."""
+    token = _BLOCK_SIZE_FIELD.set(field)
+    try:
+        yield
+    finally:
+        _BLOCK_SIZE_FIELD.reset(token)
+
+
 def _warn_single_block_once(config: ResidualConfig, n_sublayers: int) -> None:
     """:func:`_warn_single_block` of ``config``, once per config object and depth: a config is
     checked again by what takes it (``AttnResLM(config)``, ``TrainConfig(model=config)``, the
@@ -198,7 +219,7 @@ def _warn_single_block(block_size: int | None, n_sublayers: int, built: bool = F
                   f"size, not a number of blocks); {default} gives {-(-n_sublayers // default)} blocks (about 8 where "
                   "the depth allows, as the report recommends, §3.2)")
         return
-    warn_user(f"model.residual.block_size (attnres upcycle's --block-size) = {block_size} is at least the model's "
+    warn_user(f"{_BLOCK_SIZE_FIELD.get()} = {block_size} is at least the model's "
               f"{n_sublayers} sublayers ({n_sublayers // 2} layer{'s' if n_sublayers > 2 else ''} of 2): {single}; "
               f"unset, it is {default}: {-(-n_sublayers // default)} blocks (about 8 where the depth allows, "
               "as the report recommends, §3.2)")
