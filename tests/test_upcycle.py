@@ -2130,3 +2130,29 @@ def test_training_a_plain_family_directory_into_attnres_shows_no_load_report_of_
     assert not [m for m in logged if "LOAD REPORT" in m or "MISSING" in m], logged
     assert (tmp_path / "run" / "checkpoints").is_dir()
     assert vars(attnres_llama).get("_keys_to_ignore_on_load_missing", "unset") == before  # (the class left as it was)
+
+
+def test_init_from_an_upcycle_that_lost_its_residual_tensors_is_refused(tmp_path):
+    """``model.from_hf=DIR init_from=DIR`` of an upcycle whose weights lack the residual's
+    tensors (a copy that dropped them, weights written by another tool) started the residual
+    at zero queries without a word: missing residual tensors were taken as a plain family
+    directory's, which has none to give. Where the directory's config names the run's residual,
+    they are refused by name; a plain family directory still loads, its residual at the
+    faithful init."""
+    from safetensors.torch import load_file, save_file
+
+    from attnres.hf.families.build import build_hf_model, model_fields_from_directory
+    from attnres.models import ModelConfig
+    from attnres.train.hf_source import load_hf_weights
+
+    base = tiny_model("llama")
+    upcycle(base, "attnres_block", block_size=2).save_pretrained(tmp_path / "up")
+    weights = tmp_path / "up" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if ".residual." not in f".{k}"}, weights,
+              metadata={"format": "pt"})
+    model = build_hf_model(ModelConfig.from_dict(model_fields_from_directory(tmp_path / "up")))
+    with pytest.raises(ValueError, match=r"residual\."):
+        load_hf_weights(model, tmp_path / "up")
+    base.save_pretrained(tmp_path / "plain")  # (a plain family directory: its residual is the run's to add)
+    load_hf_weights(model, tmp_path / "plain")
+    assert torch.equal(model.get_input_embeddings().weight, base.get_input_embeddings().weight)

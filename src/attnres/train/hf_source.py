@@ -8,6 +8,7 @@ fills the residual with its faithful init (zero pseudo-queries, unit gains).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,6 +88,13 @@ def _json_object(file: Path) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+def _saved_residual_kind(path: Path) -> str | None:
+    """The residual kind an AttnRes directory's ``config.json`` names (``attnres_residual``, an
+    upcycle's or export's), ``None`` for a plain family directory (or a config that does not read)."""
+    residual = _json_object(path / "config.json").get("attnres_residual")
+    return residual.get("kind") if isinstance(residual, dict) else None
+
+
 @contextmanager
 def _residual_expected_missing(cls: type) -> Iterator[None]:
     """Within, ``cls.from_pretrained`` takes the residual's weights missing from a directory as
@@ -112,8 +120,12 @@ def load_hf_weights(model, path: str | Path) -> None:
     init. Raises ``ValueError`` when the directory's model is another one."""
     param = next(model.parameters())
     refuse_missing_shards(f"init_from={str(path)!r}", path, "download or copy the model again")
+    saved_residual = _saved_residual_kind(Path(path))
+    # (an upcycle of the run's residual saved its tensors: missing, they are a damaged copy, not a residual to add)
+    holds_residual = saved_residual is not None and saved_residual == (model.config.attnres_residual or {}).get("kind")
     try:  # the run's own class: a plain family directory loads into its AttnRes version
-        with transformers_bars(redraws_in_place()), _residual_expected_missing(type(model)):
+        with transformers_bars(redraws_in_place()), \
+                contextlib.nullcontext() if holds_residual else _residual_expected_missing(type(model)):
             # (its "Loading weights" bar: not in a log, as eval has it)
             loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
                                                           output_loading_info=True)
@@ -123,7 +135,7 @@ def load_hf_weights(model, path: str | Path) -> None:
     except WEIGHT_READ_ERRORS as e:
         raise unreadable_weights(f"init_from={str(path)!r}", e, "copy or download the model again") from None
     # (a base model's or a classifier's directory: no LM head, which would start at random)
-    missing = {k for k in loading["missing_keys"] if not k.startswith("residual.")}
+    missing = {k for k in loading["missing_keys"] if holds_residual or not k.startswith("residual.")}
     refuse_missing_weights(f"init_from={str(path)!r}", path, missing, "give the directory of this run's causal LM, "
                            f"which model.from_hf={shell_path(path)} describes")
     model.load_state_dict(loaded.state_dict())
