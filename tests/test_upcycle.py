@@ -1836,6 +1836,22 @@ def test_a_family_config_field_set_beside_from_hf_changes_that_field_only(tmp_pa
     assert llama.replace(hf_architecture="qwen3", hf_config={}).hf_config == {}  # (another family: its own config)
 
 
+def test_a_key_of_a_family_config_mapping_set_beside_from_hf_changes_that_key_only():
+    """`model.from_hf=DIR model.hf_config.rope_parameters.factor=8` of a YaRN directory (GPT-OSS,
+    Kimi K2) replaced its RoPE mapping with `{factor: 8}`, which the family built as the default
+    RoPE, its YaRN scaling gone without a word: a key of a mapping changes that key only. A
+    mapping of another `rope_type` is another RoPE, whose keys are its own: it replaces the whole."""
+    from attnres import ModelConfig
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    directory = ModelConfig.preset("tiny", hf_architecture="llama", hf_config={"rope_parameters": yarn, "mlp_bias": False})
+    assert directory.replace(hf_config={"rope_parameters": {"factor": 8.0}}).hf_config == \
+        {"rope_parameters": {**yarn, "factor": 8.0}, "mlp_bias": False}
+    linear = {"rope_type": "linear", "factor": 2.0}
+    assert directory.replace(hf_config={"rope_parameters": linear}).hf_config["rope_parameters"] == linear
+
+
 def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless_allowed(tmp_path):
     """`attnres train model.from_hf=U init_from=U model.residual.kind=attnres_full` of a Block
     AttnRes upcycle loaded its residual's weights (the same names and shapes) into Full AttnRes
