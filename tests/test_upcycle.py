@@ -567,6 +567,28 @@ def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
                             if not a.startswith("model=")]])
 
 
+def test_init_from_attnres_s_own_export_names_its_run_not_model_from_hf(tmp_path):
+    """`attnres train init_from=EXPORT` of an `attnres export` said to give it as
+    model.from_hf=EXPORT, which refuses it as attnres's own model ("train on from its run"):
+    advice in a circle. It says the way, its run with the run's config; a family directory
+    is still told model.from_hf."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.hf import AttnResForCausalLM
+    from attnres.train import load_config
+    from attnres.train.setup import locate_start
+
+    AttnResForCausalLM.from_native(AttnResLM(ModelConfig.preset("tiny", vocab_size=256))).save_pretrained(tmp_path / "x")
+    start = lambda path: locate_start(load_config(None, [f"init_from={path}", f"out_dir={tmp_path / 'run'}"]), True,
+                                      lambda run, **_: run())
+    with pytest.raises(ValueError, match=r"init_from='.*x' is an `attnres export` of attnres's own model, which init_from "
+                                         r"and model.from_hf do not take: train on from its run .*`attnres train --config "
+                                         r"RUN/config.json init_from=RUN out_dir=DIR`"):
+        start(tmp_path / "x")
+    base_model("llama").save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"is a transformers directory: its model must be this run's \(model.from_hf="):
+        start(tmp_path / "llama")
+
+
 def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_trains_it_on(tmp_path):
     """`attnres upcycle --model RUN` of a run trained from an upcycle (`model.from_hf`) called it
     "attnres's own model" and said to train on with `attnres train init_from=RUN`, which refuses
