@@ -345,7 +345,9 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated); ``residual`` changes only what it names, and
         so does ``hf_config`` where ``hf_architecture`` stays (a mapping in it, ``rope_parameters``,
-        too, unless it names another ``rope_type``).
+        too, unless it names another ``rope_type``). A key is not removed so (``None`` is given to the
+        family's config as ``None``, not its default): ``dataclasses.replace(config, hf_config={...})``
+        sets the whole mapping.
         A copy whose residual and depth are this config's is not warned of a single block again
         (this config was, where it was made: ``replace(vocab_size=...)`` said it once more)."""
         changes = migrate_model_keys(changes)
