@@ -567,6 +567,25 @@ def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
                             if not a.startswith("model=")]])
 
 
+def test_model_rope_theta_beside_a_scaled_rope_is_the_one_built():
+    """A scaled RoPE's mapping, kept whole in hf_config (a YaRN directory's `model.from_hf`),
+    holds the directory's rope_theta, which the family config took over `model.rope_theta`:
+    `model.rope_theta=X` beside it was said to train X ("rope_theta: ... there, X here") and
+    built the directory's; and building the family config wrote transformers' rope_theta into
+    the ModelConfig's own mapping."""
+    from attnres import ModelConfig
+    from attnres.hf.families.build import hf_config_of
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    directory = ModelConfig.preset("tiny", hf_architecture="llama", hf_config={"rope_parameters": yarn})
+    assert hf_config_of(directory.replace(rope_theta=50000.0)).rope_parameters == {**yarn, "rope_theta": 50000.0}
+    linear = ModelConfig.preset("tiny", hf_architecture="llama", rope_theta=500000.0,
+                                hf_config={"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+    assert hf_config_of(linear).rope_parameters["rope_theta"] == 500000.0
+    assert linear.hf_config == {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}
+
+
 def test_init_from_attnres_s_own_export_names_its_run_not_model_from_hf(tmp_path):
     """`attnres train init_from=EXPORT` of an `attnres export` said to give it as
     model.from_hf=EXPORT, which refuses it as attnres's own model ("train on from its run"):

@@ -4,6 +4,7 @@ becomes one (``model.from_hf=DIR``)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -117,7 +118,12 @@ def _family_config(config) -> PretrainedConfig:
     fields["intermediate_size"] = config.hidden_size
     fields["head_dim"] = config.head_dim
     fields["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    fields.update(_in_family_types(config.hf_architecture, config.hf_config))
+    fields.update(_in_family_types(config.hf_architecture, copy.deepcopy(config.hf_config)))
+    rope = fields["rope_parameters"]
+    if isinstance(rope, dict) and "rope_type" in rope:  # (one RoPE; Gemma 3's per layer type are mappings of them)
+        # (a scaled RoPE's mapping, kept whole in hf_config, held its own rope_theta: model.rope_theta=X beside a
+        # YaRN directory's model.from_hf was said to train X and built the directory's)
+        fields["rope_parameters"] = {**rope, "rope_theta": config.rope_theta}
     fields["attnres_residual"] = config.residual.to_dict()
     with stored_config():  # (config's residual was checked, and a single block warned of, when config was made)
         return config_cls(**fields)
