@@ -640,6 +640,24 @@ def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_
         load_config(None, [f"model.from_hf={tmp_path / 'family'}"])  # (a family run's export is a model.from_hf)
 
 
+def test_the_train_on_command_of_a_checkpoint_given_from_within_its_run_names_the_run_s_config(tmp_path, monkeypatch):
+    """A checkpoint given by a relative path from within its run's checkpoints/ (`upcycle --model
+    step-00000001`) was taken for the run itself: the command said `--config
+    step-00000001/config.json`, which is not there, and a family run's architecture went unread
+    (called attnres's own model). The run is found on the absolute path, and named as reached
+    from where the command runs."""
+    from attnres.checkpoint.locate import train_on_from
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {"hf_architecture": "llama"}}))
+    monkeypatch.chdir(run / "checkpoints")
+    assert train_on_from("step-00000001") == \
+        ("llama", "attnres train --config ../config.json init_from=step-00000001 out_dir=DIR")
+    assert train_on_from(run / "checkpoints" / "step-00000001")[1] == \
+        f"attnres train --config {run / 'config.json'} init_from={run / 'checkpoints' / 'step-00000001'} out_dir=DIR"
+
+
 def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
     """``upcycle`` of a path or Hub id (which the command takes) or of a PEFT model said only
     'upcycle takes a transformers causal LM, got str' (or 'got PeftModel'); it now says how
