@@ -26,6 +26,7 @@ from ..data import (BatchSampler, TokenData, corpus_fingerprint, earlier_cache_t
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
 from ..distributed.launch import on_every_rank
+from ..models.hf_registry import NATIVE_MODEL_TYPE
 from .config import TrainConfig
 from .hf_source import _json_object, hf_source
 from .resume import check_data, check_progress, refuse_residual_change
@@ -117,8 +118,6 @@ def _not_this_run_s_directory(path: str) -> str:
     """The refusal of ``init_from=path``, a transformers directory, for a run of attnres's own
     model. An export of attnres's own model was told to be given as ``model.from_hf``, which
     refuses it ("train on from its run"): the way is its run, with the run's config."""
-    from ..hf.families.layout import NATIVE_MODEL_TYPE
-
     if _json_object(Path(path) / "config.json").get("model_type") == NATIVE_MODEL_TYPE:
         return (f"init_from={path!r} is an `attnres export` of attnres's own model, which init_from and model.from_hf "
                 "do not take: train on from its run (or one of its checkpoints) with the run's config, `attnres train "
