@@ -128,6 +128,16 @@ def test_a_transformers_model_is_refused_naming_what_the_runner_takes():
         PipelineRunner(upcycle(tiny_model("llama"), "attnres_block"), PipelineConfig(n_ranks=2))
 
 
+def test_a_compiled_model_is_taken_by_the_runner(monkeypatch):
+    """PipelineRunner(torch.compile(model), ...) was taken (the wrapper answers the model's
+    attributes) until the check of a transformers model refused it as not an AttnResLM: it gets
+    past that check again (here to the group-size check, torch's answer stubbed)."""
+    monkeypatch.setattr(pipeline_module.dist, "get_world_size", lambda group=None: 1)
+    model = AttnResLM(ModelConfig.preset("tiny"))
+    with pytest.raises(ValueError, match=r"PipelineConfig.n_ranks must be the process group's size 1"):
+        PipelineRunner(torch.compile(model), PipelineConfig(n_ranks=2))
+
+
 @pytest.mark.parametrize("schedule,virtual,stages,refused,taken", [
     ("1f1b", 1, 4, [1, 2, 3], [4, 5, 8]),  # torch's Schedule1F1B: M >= P
     ("interleaved_1f1b", 2, 2, [5, 7, 9], [1, 2, 3, 4, 6, 8]),  # torch's rounds: M % max(1, M // P) == 0

@@ -172,6 +172,32 @@ def test_sharded_prefill_on_a_rank_outside_its_group_says_so(monkeypatch):
         sharded_prefill(model, ids, group=object())
 
 
+def test_a_compiled_model_is_taken_and_a_wrapped_one_named_with_its_module(monkeypatch):
+    """``sharded_prefill(torch.compile(model), ...)`` ran (the wrapper answers the model's
+    attributes) until the check of a transformers model refused it as not an AttnResLM: it
+    gets past that check again (here to the group check, torch's answers stubbed). A DDP-style
+    wrapper (its ``.module`` the model), which stopped in "no attribute 'check_input_ids'", is
+    named with the way to the model it wraps."""
+    from torch import nn
+
+    from attnres.distributed import sequence_parallel
+
+    monkeypatch.setattr(sequence_parallel.dist, "get_rank", lambda group=None: 1 if group is None else -1)
+    monkeypatch.setattr(sequence_parallel.dist, "get_world_size", lambda group=None: 2 if group is None else -1)
+    model, ids = build("attnres_block", torch.float32)
+    with pytest.raises(ValueError, match=r"sharded_prefill: this process \(global rank 1\) is not in the group"):
+        sharded_prefill(torch.compile(model), ids, group=object())
+
+    class Wrapper(nn.Module):  # (DDP's shape: the model as .module, its attributes not forwarded)
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    with pytest.raises(TypeError, match=r"sharded_prefill takes attnres's own model \(an AttnResLM\); got the Wrapper "
+                                        r"wrapper of one: give it Wrapper's \.module \(the AttnResLM it wraps\)"):
+        sharded_prefill(Wrapper(model), ids, group=object())
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
 

@@ -567,6 +567,47 @@ def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
                             if not a.startswith("model=")]])
 
 
+def test_model_rope_theta_beside_a_scaled_rope_is_the_one_built():
+    """A scaled RoPE's mapping, kept whole in hf_config (a YaRN directory's `model.from_hf`),
+    holds the directory's rope_theta, which the family config took over `model.rope_theta`:
+    `model.rope_theta=X` beside it was said to train X ("rope_theta: ... there, X here") and
+    built the directory's; and building the family config wrote transformers' rope_theta into
+    the ModelConfig's own mapping."""
+    from attnres import ModelConfig
+    from attnres.hf.families.build import hf_config_of
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    directory = ModelConfig.preset("tiny", hf_architecture="llama", hf_config={"rope_parameters": yarn})
+    assert hf_config_of(directory.replace(rope_theta=50000.0)).rope_parameters == {**yarn, "rope_theta": 50000.0}
+    linear = ModelConfig.preset("tiny", hf_architecture="llama", rope_theta=500000.0,
+                                hf_config={"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+    assert hf_config_of(linear).rope_parameters["rope_theta"] == 500000.0
+    assert linear.hf_config == {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}
+
+
+def test_init_from_attnres_s_own_export_names_its_run_not_model_from_hf(tmp_path):
+    """`attnres train init_from=EXPORT` of an `attnres export` said to give it as
+    model.from_hf=EXPORT, which refuses it as attnres's own model ("train on from its run"):
+    advice in a circle. It says the way, its run with the run's config; a family directory
+    is still told model.from_hf."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.hf import AttnResForCausalLM
+    from attnres.train import load_config
+    from attnres.train.setup import locate_start
+
+    AttnResForCausalLM.from_native(AttnResLM(ModelConfig.preset("tiny", vocab_size=256))).save_pretrained(tmp_path / "x")
+    start = lambda path: locate_start(load_config(None, [f"init_from={path}", f"out_dir={tmp_path / 'run'}"]), True,
+                                      lambda run, **_: run())
+    with pytest.raises(ValueError, match=r"init_from='.*x' is an `attnres export` of attnres's own model, which init_from "
+                                         r"and model.from_hf do not take: train on from its run .*`attnres train --config "
+                                         r"RUN/config.json init_from=RUN out_dir=DIR`"):
+        start(tmp_path / "x")
+    base_model("llama").save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"is a transformers directory: its model must be this run's \(model.from_hf="):
+        start(tmp_path / "llama")
+
+
 def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_trains_it_on(tmp_path):
     """`attnres upcycle --model RUN` of a run trained from an upcycle (`model.from_hf`) called it
     "attnres's own model" and said to train on with `attnres train init_from=RUN`, which refuses
@@ -597,6 +638,24 @@ def test_a_run_of_a_transformers_family_is_said_to_be_one_with_the_command_that_
             f"start from its weights with its run's config (`attnres train --config {tmp_path / 'family' / 'config.json'} "
             f"init_from={tmp_path / 'family'} out_dir=DIR`), or `attnres export` it and give the export")):
         load_config(None, [f"model.from_hf={tmp_path / 'family'}"])  # (a family run's export is a model.from_hf)
+
+
+def test_the_train_on_command_of_a_checkpoint_given_from_within_its_run_names_the_run_s_config(tmp_path, monkeypatch):
+    """A checkpoint given by a relative path from within its run's checkpoints/ (`upcycle --model
+    step-00000001`) was taken for the run itself: the command said `--config
+    step-00000001/config.json`, which is not there, and a family run's architecture went unread
+    (called attnres's own model). The run is found on the absolute path, and named as reached
+    from where the command runs."""
+    from attnres.checkpoint.locate import train_on_from
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {"hf_architecture": "llama"}}))
+    monkeypatch.chdir(run / "checkpoints")
+    assert train_on_from("step-00000001") == \
+        ("llama", "attnres train --config ../config.json init_from=step-00000001 out_dir=DIR")
+    assert train_on_from(run / "checkpoints" / "step-00000001")[1] == \
+        f"attnres train --config {run / 'config.json'} init_from={run / 'checkpoints' / 'step-00000001'} out_dir=DIR"
 
 
 def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
@@ -1834,6 +1893,22 @@ def test_a_family_config_field_set_beside_from_hf_changes_that_field_only(tmp_pa
     llama = ModelConfig.preset("tiny", hf_architecture="llama", hf_config={"hidden_act": "gelu"})
     assert llama.replace(hf_config={"mlp_bias": False}).hf_config == {"hidden_act": "gelu", "mlp_bias": False}
     assert llama.replace(hf_architecture="qwen3", hf_config={}).hf_config == {}  # (another family: its own config)
+
+
+def test_a_key_of_a_family_config_mapping_set_beside_from_hf_changes_that_key_only():
+    """`model.from_hf=DIR model.hf_config.rope_parameters.factor=8` of a YaRN directory (GPT-OSS,
+    Kimi K2) replaced its RoPE mapping with `{factor: 8}`, which the family built as the default
+    RoPE, its YaRN scaling gone without a word: a key of a mapping changes that key only. A
+    mapping of another `rope_type` is another RoPE, whose keys are its own: it replaces the whole."""
+    from attnres import ModelConfig
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    directory = ModelConfig.preset("tiny", hf_architecture="llama", hf_config={"rope_parameters": yarn, "mlp_bias": False})
+    assert directory.replace(hf_config={"rope_parameters": {"factor": 8.0}}).hf_config == \
+        {"rope_parameters": {**yarn, "factor": 8.0}, "mlp_bias": False}
+    linear = {"rope_type": "linear", "factor": 2.0}
+    assert directory.replace(hf_config={"rope_parameters": linear}).hf_config["rope_parameters"] == linear
 
 
 def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless_allowed(tmp_path):

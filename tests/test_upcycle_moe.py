@@ -332,6 +332,23 @@ def test_a_family_config_value_of_a_type_yaml_gives_is_taken_or_named():
     assert load_config(None, [*base, "model.hf_config.router_aux_loss_coef=0"]).model.hf_config["router_aux_loss_coef"] == 0
 
 
+def test_a_family_config_alias_s_value_is_checked_as_its_field():
+    """An alias of a family config field (Mixtral's ``num_experts`` for ``num_local_experts``)
+    was set past transformers' strict check: ``num_experts=4.0`` (a float, as YAML writes
+    ``4.0``) was taken at config time and failed where the model was built, "empty() takes 1
+    positional argument but 2 were given". It is refused at config time as its field's value
+    is; an alias given beside its field (a change merged over a directory's) still wins."""
+    from attnres.hf.families.build import check_hf_config, hf_config_of
+    from attnres.models import ModelConfig
+
+    moe = dict(num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"ModelConfig.hf_config: the 'mixtral' config refuses it: .*'num_local_experts' "
+                                         r"expected int, got float \(value: 4.0\)"):
+        check_hf_config(ModelConfig.preset("tiny", hf_architecture="mixtral", hf_config={**moe, "num_experts": 4.0}))
+    both = ModelConfig.preset("tiny", hf_architecture="mixtral", hf_config={**moe, "num_local_experts": 4})
+    assert hf_config_of(both.replace(hf_config={"num_experts": 6})).num_local_experts == 6
+
+
 # -- expert load -------------------------------------------------------------------------
 
 def test_expert_load_is_the_originals_at_conversion_and_well_formed():

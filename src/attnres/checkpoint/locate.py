@@ -6,6 +6,7 @@ them); :func:`set_aside_newer` moves checkpoints of an abandoned trajectory out 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -243,14 +244,24 @@ def train_on_from(path: str | Path) -> tuple[str | None, str]:
     config, which builds its model (``init_from=RUN`` alone builds the default model, refused
     where the run's is another, a transformers family's or a deeper one)."""
     path = Path(path)
-    run = path.parent if path.name == "checkpoints" else \
-        path.parent.parent if path.parent.name == "checkpoints" else path
+    run = _run_of_output(path)
     try:
         architecture = json.loads((run / "config.json").read_text())["model"].get("hf_architecture")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (no readable config: said by the command)
         architecture = None
     return architecture or None, (f"attnres train --config {shell_path(run / 'config.json')} "
                                   f"init_from={shell_path(path)} out_dir=DIR")
+
+
+def _run_of_output(path: Path) -> Path:
+    """The run directory of ``path`` (:func:`train_on_from`), relative where ``path`` is: its names
+    are read of the absolute path, as ``path`` is one of its checkpoints given from within its
+    ``checkpoints/`` (``step-00000002``, ``.``), which was taken for the run itself
+    (``--config step-00000002/config.json``)."""
+    whole = Path(os.path.abspath(path))  # (no symlink resolved: the run as the user reaches it)
+    run = whole.parent if whole.name == "checkpoints" else \
+        whole.parent.parent if whole.parent.name == "checkpoints" else whole
+    return run if path.is_absolute() else Path(os.path.relpath(run))
 
 
 def refuse_training_output(path: str | Path) -> None:

@@ -344,7 +344,10 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated); ``residual`` changes only what it names, and
-        so does ``hf_config`` where ``hf_architecture`` stays.
+        so does ``hf_config`` where ``hf_architecture`` stays (a mapping in it, ``rope_parameters``,
+        too, unless it names another ``rope_type``). A key is not removed so (``None`` is given to the
+        family's config as ``None``, not its default): ``dataclasses.replace(config, hf_config={...})``
+        sets the whole mapping.
         A copy whose residual and depth are this config's is not warned of a single block again
         (this config was, where it was made: ``replace(vocab_size=...)`` said it once more)."""
         changes = migrate_model_keys(changes)
@@ -397,7 +400,23 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
         out["residual"] = merge_residual(base.get("residual"), changes["residual"])
     same_architecture = changes.get("hf_architecture", base.get("hf_architecture")) == base.get("hf_architecture")
     if same_architecture and isinstance(changes.get("hf_config"), dict) and isinstance(base.get("hf_config"), dict):
-        out["hf_config"] = {**base["hf_config"], **changes["hf_config"]}
+        out["hf_config"] = _merge_hf_config(base["hf_config"], changes["hf_config"])
+    return out
+
+
+def _merge_hf_config(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a family config's fields) with ``changes``, a mapping within it (``rope_parameters``)
+    changed in the keys it names too: ``model.from_hf=DIR model.hf_config.rope_parameters.factor=8``
+    replaced a YaRN directory's RoPE mapping with ``{factor: 8}``, which the family read as the
+    default RoPE, without a word. A mapping naming another ``rope_type`` than the base's is a
+    RoPE of another kind: its keys are that kind's, and it replaces the base's whole."""
+    out = dict(base)
+    for key, value in changes.items():
+        old = base.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and value.get("rope_type", old.get("rope_type")) == \
+                old.get("rope_type"):
+            value = _merge_hf_config(old, value)
+        out[key] = value
     return out
 
 

@@ -14,10 +14,13 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WING", "HOOKS", "register_hf_hooks", "hf_hook"]
+__all__ = ["WING", "HOOKS", "NATIVE_MODEL_TYPE", "register_hf_hooks", "hf_hook"]
 
 #: The module that fills the table when imported.
 WING = "attnres.hf"
+#: The ``model_type`` of attnres's own models (``AttnResConfig``: ``attnres export``'s directories),
+#: here for the layers below the wing that read a saved directory's ``config.json`` (``init_from``).
+NATIVE_MODEL_TYPE = "attnres"
 #: The hooks the wing provides, and what each is.
 HOOKS = {
     "build_model": "a ModelConfig with hf_architecture -> the family's freshly initialised AttnRes causal LM",

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from ..nn.compiled import uncompiled
 from ..nn.kv_cache import StaticKVCache
 from ..nn.norm import RMSNorm
 from ..nn.transformer import KVStore
@@ -208,8 +209,15 @@ class AttnResLM(DecoderTrunk):
 def require_attnres_lm(model: object, who: str) -> None:
     """Raise ``TypeError`` where ``model``, given to ``who`` (what runs attnres's own decoder:
     ``sharded_prefill``, ``PipelineRunner``), is not an :class:`AttnResLM`: a transformers model
-    (an upcycle, an export) stopped there in "object has no attribute 'check_input_ids'"."""
-    if not isinstance(model, AttnResLM):
-        raise TypeError(f"{who} takes attnres's own model (an AttnResLM); got {type(model).__name__}: an export of "
-                        "attnres's own model (AttnResForCausalLM) is one after .to_native(), and a transformers "
-                        "family's model (an upcycle) runs whole, with its own forward")
+    (an upcycle, an export) stopped there in "object has no attribute 'check_input_ids'".
+    A ``torch.compile``'d AttnResLM is one (its wrapper answers its attributes, as it did before
+    this check); a DDP or FSDP wrapper is named with the way to what it wraps, its ``.module``."""
+    if isinstance(uncompiled(model), AttnResLM):
+        return
+    wrapped = getattr(model, "module", None) if isinstance(model, nn.Module) else None
+    if isinstance(uncompiled(wrapped), AttnResLM):  # (DDP / FSDP: their attributes are not the model's)
+        raise TypeError(f"{who} takes attnres's own model (an AttnResLM); got the {type(model).__name__} wrapper "
+                        f"of one: give it {type(model).__name__}'s .module (the AttnResLM it wraps)")
+    raise TypeError(f"{who} takes attnres's own model (an AttnResLM); got {type(model).__name__}: an export of "
+                    "attnres's own model (AttnResForCausalLM) is one after .to_native(), and a transformers "
+                    "family's model (an upcycle) runs whole, with its own forward")

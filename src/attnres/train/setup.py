@@ -26,8 +26,9 @@ from ..data import (BatchSampler, TokenData, corpus_fingerprint, earlier_cache_t
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
 from ..distributed.launch import on_every_rank
+from ..models.hf_registry import NATIVE_MODEL_TYPE
 from .config import TrainConfig
-from .hf_source import hf_source
+from .hf_source import _json_object, hf_source
 from .resume import check_data, check_progress, refuse_residual_change
 from ..user_warning import warn_user
 from ..shell_words import shell_path
@@ -99,8 +100,7 @@ def _init_source(config: TrainConfig) -> Start:
     """``init_from``: a transformers directory (its model must be this run's) or a checkpoint."""
     if is_hf_directory(config.init_from):
         if config.model.hf_architecture is None:
-            raise ValueError(f"init_from={config.init_from!r} is a transformers directory: its model must be this run's "
-                             f"(model.from_hf={shell_path(config.init_from)})")
+            raise ValueError(_not_this_run_s_directory(config.init_from))
         source = hf_source(config.init_from)
         refuse_residual_change(source, config.model, config.allow_residual_change)
         return Start(init=source, origin={"transformers_directory": str(source.path), "step": 0})
@@ -112,6 +112,17 @@ def _init_source(config: TrainConfig) -> Start:
     source.run_config()  # a checkpoint without one refused by name
     refuse_residual_change(source, config.model, config.allow_residual_change)
     return Start(init=source, origin={"checkpoint": str(source.path), "step": source.step})
+
+
+def _not_this_run_s_directory(path: str) -> str:
+    """The refusal of ``init_from=path``, a transformers directory, for a run of attnres's own
+    model. An export of attnres's own model was told to be given as ``model.from_hf``, which
+    refuses it ("train on from its run"): the way is its run, with the run's config."""
+    if _json_object(Path(path) / "config.json").get("model_type") == NATIVE_MODEL_TYPE:
+        return (f"init_from={path!r} is an `attnres export` of attnres's own model, which init_from and model.from_hf "
+                "do not take: train on from its run (or one of its checkpoints) with the run's config, `attnres train "
+                "--config RUN/config.json init_from=RUN out_dir=DIR`")
+    return f"init_from={path!r} is a transformers directory: its model must be this run's (model.from_hf={shell_path(path)})"
 
 
 def locate_start(config: TrainConfig, main: bool, main_first: MainFirst) -> Start:

@@ -4,6 +4,7 @@ becomes one (``model.from_hf=DIR``)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -59,10 +60,19 @@ def _float_fields(family: str) -> frozenset[str]:
 def _in_family_types(family: str, hf_config: dict[str, Any]) -> dict[str, Any]:
     """``hf_config`` with an integer given for a float field as that float: the docs' "set
     router_aux_loss_coef to 0" (``model.hf_config.router_aux_loss_coef=0``) ended the run's
-    set-up in a traceback, "expected float, got int"."""
+    set-up in a traceback, "expected float, got int". An alias is given as the field it
+    names (``num_experts``: Mixtral's ``num_local_experts``), which the strict config checks:
+    an alias's value was set unchecked, and ``num_experts=4.0`` failed where the model was
+    built ("empty() takes 1 positional argument"). (Given both, the later one wins, as the
+    alias did.)"""
     floats, aliases = _float_fields(family), _family_fields(family)[1]
-    return {k: float(v) if aliases.get(k, k) in floats and isinstance(v, int) and not isinstance(v, bool) else v
-            for k, v in hf_config.items()}
+    named = {}
+    for key, value in hf_config.items():
+        field = aliases.get(key, key)
+        named.pop(field, None)  # (the later of an alias and its field wins: a change merged over a directory's)
+        named[field] = float(value) if field in floats and isinstance(value, int) and not isinstance(value, bool) \
+            else value
+    return named
 
 
 def check_hf_config(config) -> None:
@@ -108,7 +118,12 @@ def _family_config(config) -> PretrainedConfig:
     fields["intermediate_size"] = config.hidden_size
     fields["head_dim"] = config.head_dim
     fields["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    fields.update(_in_family_types(config.hf_architecture, config.hf_config))
+    fields.update(_in_family_types(config.hf_architecture, copy.deepcopy(config.hf_config)))
+    rope = fields["rope_parameters"]
+    if isinstance(rope, dict) and "rope_type" in rope:  # (one RoPE; Gemma 3's per layer type are mappings of them)
+        # (a scaled RoPE's mapping, kept whole in hf_config, held its own rope_theta: model.rope_theta=X beside a
+        # YaRN directory's model.from_hf was said to train X and built the directory's)
+        fields["rope_parameters"] = {**rope, "rope_theta": config.rope_theta}
     fields["attnres_residual"] = config.residual.to_dict()
     with stored_config():  # (config's residual was checked, and a single block warned of, when config was made)
         return config_cls(**fields)

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...models.hf_registry import NATIVE_MODEL_TYPE
+
 __all__ = ["Layout", "Router", "FAMILIES", "REFUSED", "PREFIX", "CHECKED_WITH", "layout_of", "family_of"]
 
 #: ``model_type`` of the AttnRes version of family ``X``: ``"attnres_" + X``.
 PREFIX = "attnres_"
-#: The ``model_type`` of attnres's own models (``AttnResConfig``: ``attnres export``'s directories).
-NATIVE_MODEL_TYPE = "attnres"
 #: The ``transformers`` release whose decoder layers the layouts below were read from.
 CHECKED_WITH = "5.24.0"
 
