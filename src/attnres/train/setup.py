@@ -28,10 +28,11 @@ from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, To
 from ..distributed.launch import on_every_rank
 from ..models.hf_registry import NATIVE_MODEL_TYPE
 from .config import TrainConfig
-from .hf_source import _json_object, hf_source
+from .hf_source import hf_source
 from .resume import check_data, check_progress, refuse_residual_change
 from ..user_warning import warn_user
 from ..shell_words import shell_path
+from ..output_paths import read_json_object
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data", "removed_while_set_up"]
 
@@ -118,7 +119,7 @@ def _not_this_run_s_directory(path: str) -> str:
     """The refusal of ``init_from=path``, a transformers directory, for a run of attnres's own
     model. An export of attnres's own model was told to be given as ``model.from_hf``, which
     refuses it ("train on from its run"): the way is its run, with the run's config."""
-    if _json_object(Path(path) / "config.json").get("model_type") == NATIVE_MODEL_TYPE:
+    if (read_json_object(Path(path) / "config.json")[0] or {}).get("model_type") == NATIVE_MODEL_TYPE:
         return (f"init_from={path!r} is an `attnres export` of attnres's own model, which init_from and model.from_hf "
                 "do not take: train on from its run (or one of its checkpoints) with the run's config, `attnres train "
                 "--config RUN/config.json init_from=RUN out_dir=DIR`")
