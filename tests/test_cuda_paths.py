@@ -166,7 +166,7 @@ def test_generate_over_the_graphed_step_gives_the_dynamic_tokens(fake_cuda_graph
     """What ``generate`` does on CUDA by default (``decode="auto"`` is ``"graph"`` there): the
     dynamic cache's tokens for a ragged batch - greedy; sampled with a generator per row;
     ended by a stop token (the rows after it padded, the stream ending when all have); and
-    ended by stop strings."""
+    ended by stop strings. One capture for all: the decoder is kept across calls."""
     from test_inference import _AngleTokenizer, _first_holding
 
     model = make_model(residual=residual).eval()
@@ -178,9 +178,9 @@ def test_generate_over_the_graphed_step_gives_the_dynamic_tokens(fake_cuda_graph
         for decode in ("dynamic", "auto"):
             if "generator" in kwargs:
                 kwargs["generator"] = [torch.Generator().manual_seed(7 + row) for row in range(3)]
-            fake_cuda_graphs.clear()
+            replays = fake_cuda_graphs.count("replay")
             out[decode] = generate(model, ids, mask, decode=decode, **kwargs)
-        assert fake_cuda_graphs[:1] == ["capture"] and set(fake_cuda_graphs[1:]) == {"replay"}, fake_cuda_graphs
+        assert fake_cuda_graphs.count("replay") > replays, fake_cuda_graphs
         assert torch.equal(out["auto"], out["dynamic"]), (out["auto"], out["dynamic"])
         return out["dynamic"]
 
@@ -193,6 +193,7 @@ def test_generate_over_the_graphed_step_gives_the_dynamic_tokens(fake_cuda_graph
     out = both(max_new_tokens=10, stop_strings=[across], tokenizer=_AngleTokenizer, pad_token_id=3)
     needed = _first_holding(free[1], across)
     assert out[1].tolist()[:needed] == free[1][:needed] and set(out[1].tolist()[needed:]) <= {3}
+    assert fake_cuda_graphs[0] == "capture" and set(fake_cuda_graphs[1:]) == {"replay"}, fake_cuda_graphs
 
 
 @pytest.mark.parametrize("residual", _every_residual())
@@ -430,3 +431,127 @@ def test_a_torchrun_rank_on_cuda_joins_over_nccl_bound_to_its_gpu(monkeypatch):
     assert current == [1] and ctx.device == torch.device("cuda", 1) and ctx.backend == "nccl"
     assert made == [("nccl", {"timeout": timedelta(seconds=30.0), "device_id": torch.device("cuda", 1)})]
     assert (ctx.rank, ctx.world_size, ctx.timeout_s) == (1, 2, 30.0)
+
+
+# -- the decoders generate keeps across calls ---------------------------------------------------
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The :class:`StaticDecoder` s that ``generate`` builds, by ``(batch size, capacity)``."""
+    from attnres.inference import kept_decoders
+
+    log = []
+
+    class Counted(StaticDecoder):
+        def __init__(self, model, batch_size, capacity=None, mode="graph", warmup=2):
+            log.append((batch_size, capacity))
+            super().__init__(model, batch_size, capacity, mode, warmup)
+
+    monkeypatch.setattr(kept_decoders, "StaticDecoder", Counted)
+    return log
+
+
+def test_generate_keeps_its_graphed_decoder_across_calls(fake_cuda_graphs, built, monkeypatch):
+    """A capture per ``generate`` call (``torch.cuda.graph`` collects Python's garbage and
+    empties the CUDA allocator first) cost an evaluation loop more than its short
+    generations: the decoder is kept, one per batch size and capacity bucket (here 16
+    positions), and every call gives the dynamic cache's tokens - prompts of another length
+    or text in the same bucket capture nothing; another batch size or a longer generation
+    builds its own."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["attnres.inference.generate"], "_CAPACITY_STEP", 16)
+    model = make_model(residual="attnres_block").eval()
+    calls = [(1, 7, 5), (2, 7, 5), (2, 5, 8), (1, 5, 5), (1, 7, 12)]  # (seed, prompt length, new tokens)
+    for seed, t, n in calls:
+        ids, mask = ragged_prompts(t=t, seed=seed)
+        for rows in (3, 2):
+            want = generate(model, ids[:rows], mask[:rows], max_new_tokens=n, decode="dynamic")
+            assert torch.equal(generate(model, ids[:rows], mask[:rows], max_new_tokens=n), want), (seed, t, n, rows)
+    assert built == [(3, 16), (2, 16), (3, 32), (2, 32)]
+    assert fake_cuda_graphs.count("capture") == 4
+
+
+def test_two_streams_at_once_each_get_a_decoder(fake_cuda_graphs, built):
+    """Two streams of one model at one batch size, stepped in turn: a kept decoder serves one
+    generation at a time, so the second builds its own (each gives its dynamic tokens), and
+    both are kept after; a stream closed early gives its decoder back too."""
+    from attnres.inference import stream
+
+    model = make_model(residual="attnres_block").eval()
+    prompts = [ragged_prompts(seed=seed) for seed in (1, 2)]
+    want = [generate(model, ids, mask, max_new_tokens=6, decode="dynamic") for ids, mask in prompts]
+    streams = [stream(model, ids, mask, max_new_tokens=6) for ids, mask in prompts]
+    got = [[], []]
+    for _ in range(6):
+        for i, s in enumerate(streams):
+            got[i].append(next(s))
+    for i in range(2):
+        assert torch.equal(torch.stack(got[i], dim=1), want[i])
+        assert next(streams[i], None) is None
+    assert len(built) == 2
+    early = stream(model, *prompts[0], max_new_tokens=6)
+    next(early), next(early)
+    early.close()
+    assert torch.equal(generate(model, *prompts[1], max_new_tokens=6), want[1])
+    assert len(built) == 2 and fake_cuda_graphs.count("capture") == 2
+
+
+def test_kept_decoders_follow_the_model_and_are_released(fake_cuda_graphs, built):
+    """A model cast to another dtype drops the decoders of the old one (a cache of the old
+    dtype) and builds new ones; under autocast a graph of its own (a capture records the
+    casts); ``release_decoders`` frees them (how many it freed), and the next call builds
+    again; a copy or pickle of the model takes none (a CUDA graph can be neither)."""
+    import copy
+    import io
+
+    from attnres.inference import kept_decoders, release_decoders
+
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    generate(model, ids, mask, max_new_tokens=4)
+    generate(model, ids, mask, max_new_tokens=4)
+    assert len(built) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        generate(model, ids, mask, max_new_tokens=4)
+    assert len(built) == 2 and len(vars(model)[kept_decoders._ATTRIBUTE].idle) == 2
+    for twin in (copy.deepcopy(model), torch.load(_saved(model, io.BytesIO()), weights_only=False)):
+        assert release_decoders(twin) == 0
+        assert torch.equal(generate(twin, ids, mask, max_new_tokens=4), generate(model, ids, mask, max_new_tokens=4))
+    model.double()
+    want = generate(model, ids, mask, max_new_tokens=4, decode="dynamic")
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=4), want)
+    assert len(vars(model)[kept_decoders._ATTRIBUTE].idle) == 1  # (the float32 ones dropped)
+    assert release_decoders(torch.compile(model)) == 1 and release_decoders(model) == 0
+    generate(model, ids, mask, max_new_tokens=4)
+    assert built[-1] == built[-2] == (3, 128) and len(built) == 6
+
+
+def _saved(model, buffer):
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_kept_decoders_make_way_for_a_new_one(fake_cuda_graphs, built, monkeypatch):
+    """At most ``KEPT_PER_MODEL`` decoders are kept (the least recently used goes first); a
+    new decoder that runs out of memory beside kept ones frees them and is built again."""
+    from attnres.inference import kept_decoders
+
+    monkeypatch.setattr(kept_decoders, "KEPT_PER_MODEL", 2)
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    for rows in (3, 2, 1, 3, 1, 2):
+        generate(model, ids[:rows], mask[:rows], max_new_tokens=3)
+    assert [rows for rows, _ in built] == [3, 2, 1, 3, 2]
+    counted = kept_decoders.StaticDecoder
+
+    def short_of_memory(*args, **kwargs):
+        monkeypatch.setattr(kept_decoders, "StaticDecoder", counted)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(kept_decoders, "StaticDecoder", short_of_memory)
+    want = generate(model, ids, mask, max_new_tokens=3, decode="dynamic").tolist()
+    assert generate(model, ids, mask, max_new_tokens=3).tolist() == want
+    assert list(vars(model)[kept_decoders._ATTRIBUTE].idle) and len(built) == 6

@@ -80,6 +80,18 @@ def test_static_decode_equals_dynamic_decode_token_for_token(model):
         assert torch.equal(generate(model, alone, max_new_tokens=12, decode="static"), dynamic[row : row + 1])
 
 
+def test_static_decode_under_autocast_equals_dynamic_decode(model):
+    """``generate`` inside ``torch.autocast`` (a float32 model decoding in bfloat16; on CUDA,
+    where the static cache is the default): the keys and values autocast makes are stored
+    in the cache of the parameters' dtype (exactly: a widening), as the dynamic cache holds
+    them - it failed at the first step in index_copy_, "self and source expected to have the
+    same dtype"."""
+    ids, mask = ragged_prompts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dynamic = generate(model, ids, mask, max_new_tokens=8, decode="dynamic")
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=8, decode="static"), dynamic)
+
+
 def test_static_decode_logits_match_the_float64_truth(model):
     """The static step's logits are as close to the float64 truth as the dynamic step's
     (tests/conftest.py's rule for two float32 paths), at every step of a ragged batch."""

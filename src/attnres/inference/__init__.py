@@ -18,6 +18,7 @@ from ..lazy_exports import lazy_exports
 from ..nn.kv_cache import KVCache, StaticKVCache
 from .generate import (DECODE_MODES, check_sampling, decode_step, generate, prefill, resolve_decode, sample, stream,
                        stream_transformers)
+from .kept_decoders import release_decoders
 from .static import STATIC_MODES, StaticDecoder, static_decode_step
 from .stop_strings import StopStrings, TextPieces, text_until_stop
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVCache", "StaticKVCache", "prefill", "decode_step", "sample", "generate", "stream", "stream_transformers",
            "check_sampling", "DECODE_MODES", "resolve_decode", "StaticDecoder", "STATIC_MODES", "static_decode_step",
-           "LoadedRun", "load_run", "load_tokenizer", "StopStrings", "TextPieces", "text_until_stop"]
+           "release_decoders", "LoadedRun", "load_run", "load_tokenizer", "StopStrings", "TextPieces", "text_until_stop"]
 # A run's loading, imported on first use (PEP 562): it imports the checkpoints' safetensors
 # (the train extra), which decoding does not need - benchmarks/gpu_check.py decodes on a GPU
 # machine with only PyTorch, Triton and NumPy installed.

@@ -10,6 +10,7 @@ padding (1 = real token), logits ``[B, vocab]`` (float32), sampled tokens ``[B]`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,6 +27,7 @@ from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
 from ..validation import did_you_mean, did_you_mean_each
 from . import static as _static  # (its cuda_graphs looked up at each call: the tests replace it)
+from .kept_decoders import borrowed_decoder
 from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
 from .stop_strings import RowStops, check_stop_strings
 
@@ -38,10 +40,10 @@ __all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample",
 #: ``"auto"`` is ``"graph"`` on CUDA and ``"dynamic"`` elsewhere.
 DECODE_MODES = ("auto", "dynamic", "static", "compiled", "graph")
 _STATIC_MODE = {"static": "eager", "compiled": "compiled", "graph": "graph"}
-#: ``decode="compiled"`` rounds the static cache's capacity up to a multiple of this (at most
-#: ``max_seq_len``): the compiled step's shapes include the capacity, so generations whose
-#: prompt and ``max_new_tokens`` differ a little share one compiled graph.
-_COMPILED_CAPACITY_STEP = 256
+#: ``decode="graph"`` and ``"compiled"`` round the static cache's capacity up to a multiple of
+#: this (at most ``max_seq_len``): a captured or compiled step's shapes include the capacity,
+#: so generations whose prompt and ``max_new_tokens`` differ a little share one kept decoder.
+_CAPACITY_STEP = 256
 #: What ``generator=`` takes: none (torch's global generator), one for the whole batch, or one
 #: per row of the batch (:func:`sample`).
 Generators = torch.Generator | Sequence[torch.Generator] | None
@@ -354,15 +356,35 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
     b, t = input_ids.shape
     capacity = t + max_new_tokens - 1
     logits, cache = prefill(model, input_ids, mask, chunk_size, capacity=capacity if decode == "dynamic" else t)
-    static = None
-    if decode != "dynamic" and max_new_tokens > 1:  # (one token needs no decode step)
-        if decode == "compiled":  # shapes shared by many prompt lengths: fewer graphs to compile
-            capacity = min(-(-capacity // _COMPILED_CAPACITY_STEP) * _COMPILED_CAPACITY_STEP, model.config.max_seq_len)
-        static = StaticDecoder(model, b, capacity, mode=_STATIC_MODE[decode])
-        static.load(cache, mask)
-        cache = None  # (its keys and values are in the static cache now)
-    stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
-    finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+    static_steps = decode != "dynamic" and max_new_tokens > 1  # (one token needs no decode step)
+    with _static_decoder(model, b, capacity, decode) if static_steps else contextlib.nullcontext() as static:
+        if static is not None:
+            static.load(cache, mask)
+            cache = None  # (its keys and values are in the static cache now)
+        yield from _steps(model, logits, cache, static, mask, max_new_tokens, temperature, top_k, top_p, stops,
+                          pad_token_id, generator, texts)
+
+
+def _static_decoder(model, batch_size: int, capacity: int, decode: str):
+    """A context holding the :class:`StaticDecoder` for a static ``decode`` mode: for
+    ``"graph"`` and ``"compiled"`` one kept across calls (:mod:`.kept_decoders`: a capture or
+    compilation per call would cost more than a short generation), its capacity rounded up
+    to a multiple of :data:`_CAPACITY_STEP` (at most ``max_seq_len``) so that generations of
+    nearby lengths share it; for ``"static"`` (eager, cheap to build) a new one of exactly
+    ``capacity``."""
+    if decode == "static":
+        return contextlib.nullcontext(StaticDecoder(model, batch_size, capacity, mode="eager"))
+    capacity = min(-(-capacity // _CAPACITY_STEP) * _CAPACITY_STEP, model.config.max_seq_len)
+    return borrowed_decoder(model, batch_size, capacity, _STATIC_MODE[decode])
+
+
+def _steps(model, logits, cache, static, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
+           generator, texts):
+    """The decode loop of :func:`_stream` after prefill: over the dynamic ``cache`` (with the
+    padding ``mask``), or over ``static``, a loaded :class:`StaticDecoder`."""
+    b = logits.shape[0]
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=logits.device)
+    finished = torch.zeros(b, dtype=torch.bool, device=logits.device)
     warned = False
     for step in range(max_new_tokens):
         finite = torch.isfinite(logits).all()

@@ -189,11 +189,13 @@ class StaticKVCache:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k``/``v`` ``[B, H, T, D]`` into slots ``end .. end + T - 1`` of ``layer``;
         return the whole buffers ``[B, H, capacity, D]`` (``attention_inputs``' mask hides
-        the slots not filled). The last layer's update advances ``end`` by ``T``."""
+        the slots not filled). The last layer's update advances ``end`` by ``T``. Keys and
+        values of another dtype (a float32 model under ``torch.autocast``: bfloat16) are
+        stored in the cache's (the parameters'), which autocast's attention casts back."""
         t = k.shape[2]
         index = self.end + self.slots[:t]
-        self.k[layer].index_copy_(2, index, k)
-        self.v[layer].index_copy_(2, index, v)
+        self.k[layer].index_copy_(2, index, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, index, v.to(self.v[layer].dtype))
         if layer == self.n_layers - 1:
             self.end.add_(t)
         return self.k[layer], self.v[layer]

@@ -1,0 +1,128 @@
+"""The static decoders that :func:`~attnres.inference.stream` keeps per model, so that
+generating again at a batch size and capacity it generated at reuses the decoder: no new
+CUDA graph capture (``decode="graph"``, the default on CUDA) and no new compilation or
+re-recording of Inductor's CUDA graphs (``decode="compiled"``) per call.
+
+A capture costs more than its ``warmup + 1`` steps: ``torch.cuda.graph`` collects Python's
+garbage and empties the CUDA caching allocator before it records, so an evaluation loop
+that calls ``generate`` once per batch paid for that at every call, where the steps of a
+short generation cost less. A decoder holds a static KV cache of its capacity (GPU memory)
+until :func:`release_decoders` frees it, a newer one pushes it out (at most
+:data:`KEPT_PER_MODEL` are kept per model), or the model is freed.
+
+Each kept decoder serves one generation at a time: a stream borrows it (two streams of one
+model at once, or from two threads, each get their own) and gives it back when it ends, is
+closed or is collected. A model moved to another device or dtype (or generating under
+another autocast state, or in training mode) gets new decoders; the old ones are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+
+from ..nn.compiled import uncompiled
+from .static import StaticDecoder
+
+__all__ = ["KEPT_PER_MODEL", "borrowed_decoder", "release_decoders"]
+
+#: The most idle decoders kept for one model (the least recently used goes first).
+KEPT_PER_MODEL = 4
+#: The model attribute that holds its :class:`_KeptDecoders` (in its ``__dict__``, not a module).
+_ATTRIBUTE = "_attnres_kept_decoders"
+#: Borrowing and giving back from several threads (a server's): one decoder, one generation.
+_LOCK = threading.Lock()
+
+
+class _KeptDecoders:
+    """One model's idle decoders, by what they were built for (:func:`_key`). A copy or a
+    pickle of the model (``copy.deepcopy``, ``torch.save(model)``) gets none: a CUDA graph
+    can be neither copied nor pickled, and its cache belongs to the model it was made for."""
+
+    def __init__(self) -> None:
+        self.idle: OrderedDict[tuple, StaticDecoder] = OrderedDict()
+
+    def __reduce__(self):
+        return _KeptDecoders, ()
+
+
+def _key(model, mode: str, batch_size: int, capacity: int) -> tuple:
+    """What a decoder is made for: its mode, batch size and capacity, and the model's state
+    that a captured graph or compiled step holds - the parameters' device and dtype, the
+    autocast state of that device (a graph captured under autocast replays its casts) and
+    training mode (dropout)."""
+    parameter = next(model.parameters())
+    device = parameter.device
+    autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+    return mode, batch_size, capacity, device, parameter.dtype, autocast, model.training
+
+
+def _kept(model) -> _KeptDecoders:
+    """``model``'s kept decoders (made on first use); the caller holds :data:`_LOCK`."""
+    state = vars(model)
+    if not isinstance(state.get(_ATTRIBUTE), _KeptDecoders):
+        state[_ATTRIBUTE] = _KeptDecoders()
+    return state[_ATTRIBUTE]
+
+
+@contextlib.contextmanager
+def borrowed_decoder(model, batch_size: int, capacity: int, mode: str) -> Iterator[StaticDecoder]:
+    """A :class:`StaticDecoder` of ``model`` for ``batch_size`` rows, ``capacity`` positions
+    and ``mode`` ("eager", "compiled" or "graph"): a kept one when there is one, else a new
+    one; kept for the next call when the block ends (or the generator holding it is closed),
+    not when it ends in an error (the decoder may be mid-step)."""
+    owner = uncompiled(model)
+    key = _key(owner, mode, batch_size, capacity)
+    with _LOCK:
+        kept = _kept(owner)
+        for other in [k for k in kept.idle if k[3:5] != key[3:5]]:  # (the model moved: their caches are the old device's)
+            del kept.idle[other]
+        decoder = kept.idle.pop(key, None)
+    if decoder is None:
+        decoder = _new_decoder(model, kept, batch_size, capacity, mode)
+    try:
+        yield decoder
+    except GeneratorExit:  # (a stream closed early, or collected: the decoder is between steps)
+        _give_back(kept, key, decoder)
+        raise
+    else:
+        _give_back(kept, key, decoder)
+
+
+def _new_decoder(model, kept: _KeptDecoders, batch_size: int, capacity: int, mode: str) -> StaticDecoder:
+    """A decoder built for the call; out of memory with decoders kept (their caches), they
+    are freed and it is built again."""
+    try:
+        return StaticDecoder(model, batch_size, capacity, mode=mode)
+    except torch.OutOfMemoryError:
+        with _LOCK:
+            if not kept.idle:
+                raise
+            kept.idle.clear()
+        return StaticDecoder(model, batch_size, capacity, mode=mode)
+
+
+def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
+    with _LOCK:
+        kept.idle[key] = decoder
+        kept.idle.move_to_end(key)
+        while len(kept.idle) > KEPT_PER_MODEL:
+            kept.idle.popitem(last=False)
+
+
+def release_decoders(model) -> int:
+    """Free the static decoders that ``generate`` / ``stream`` keep for ``model`` (an
+    ``AttnResLM``, compiled or not): their KV caches and CUDA graphs, GPU memory that
+    ``torch.cuda.empty_cache()`` then returns. Returns how many were freed; one in use by a
+    running stream is kept when that stream ends."""
+    with _LOCK:
+        kept = vars(uncompiled(model)).get(_ATTRIBUTE)
+        if not isinstance(kept, _KeptDecoders):
+            return 0
+        freed = len(kept.idle)
+        kept.idle.clear()
+    return freed
