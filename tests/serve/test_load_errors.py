@@ -313,39 +313,10 @@ def test_a_context_longer_than_the_rotary_tables_is_refused(tmp_path, monkeypatc
                                                      "model's rotary tables, 256 positions (layer.rotary_emb; ")
 
 
-def test_the_served_residual_is_logged_under_vllms_logger():
-    """A server's log said nothing of the residual it serves (the plugin logged nothing of its
-    own): building the served residual logs it once per process, under vLLM's logger (its
-    handler and ``VLLM_LOGGING_LEVEL``; a logger of the plugin's own name showed no INFO)."""
+def _load_lines(*served: tuple[dict, int, int]) -> list[str]:
+    """What building each served residual (its config, d, sublayers) logs, under the plugin's
+    logger at INFO (vLLM's engine sets the "vllm" logger's level; these tests start none)."""
     import logging
-
-    from attnres.nn.residual import ResidualConfig
-    from attnres.serve import decoder
-
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    decoder.logger.addHandler(handler)
-    decoder.logger.setLevel(logging.INFO)  # (vLLM's engine sets the "vllm" logger's level; this test starts none)
-    try:
-        for _ in range(2):
-            decoder.serving_residual(ResidualConfig.from_value({"kind": "attnres_block", "block_size": 2}), 24, 6)
-    finally:
-        decoder.logger.removeHandler(handler)
-        decoder.logger.setLevel(logging.NOTSET)
-    assert decoder.logger.name.startswith("vllm.")
-    assert [r.getMessage() for r in records] == [
-        "attnres 0.1.0: residual attnres_block (S=2, N=3) over 6 sublayers (d = 24); depth attention in PyTorch "
-        "operations, compiled with the model where vLLM compiles it"]
-
-
-def test_the_load_line_serving_md_shows_is_the_line_logged():
-    """docs/serving.md, "Use", shows the line each worker logs at load, to check there that a
-    directory serves the residual trained: it showed only its first half, which a reader
-    searching the log for it as shown (a grep up to its closing parenthesis and the end of the
-    line) did not find. The line the doc shows is the one logged for its residual."""
-    import logging
-    from pathlib import Path
 
     from attnres.nn.residual import ResidualConfig
     from attnres.serve import decoder
@@ -356,9 +327,44 @@ def test_the_load_line_serving_md_shows_is_the_line_logged():
     decoder.logger.addHandler(handler)
     decoder.logger.setLevel(logging.INFO)
     try:
-        decoder.serving_residual(ResidualConfig.from_value({"kind": "attnres_block", "block_size": 2}), 128, 8)
+        for config, dim, n_sublayers in served:
+            decoder.serving_residual(ResidualConfig.from_value(config), dim, n_sublayers)
     finally:
         decoder.logger.removeHandler(handler)
         decoder.logger.setLevel(logging.NOTSET)
+    return [r.getMessage() for r in records]
+
+
+def test_the_served_residual_is_logged_under_vllms_logger():
+    """A server's log said nothing of the residual it serves (the plugin logged nothing of its
+    own): building the served residual logs it once per process, under vLLM's logger (its
+    handler and ``VLLM_LOGGING_LEVEL``; a logger of the plugin's own name showed no INFO)."""
+    from attnres.serve import decoder
+
+    assert decoder.logger.name.startswith("vllm.")
+    assert _load_lines(*[({"kind": "attnres_block", "block_size": 2}, 24, 6)] * 2) == [
+        "attnres 0.1.0: residual attnres_block (S=2, N=3) over 6 sublayers (d = 24); depth attention in PyTorch "
+        "operations, compiled with the model where vLLM compiles it"]
+
+
+def test_the_load_line_of_a_residual_without_depth_attention_names_none():
+    """The load line of a standard-residual export (and of a baseline such as mHC) said "depth
+    attention in PyTorch operations", which such a residual does not have: its line names the
+    residual and stops there; Full AttnRes's still says how its depth attention runs."""
+    lines = _load_lines(*[({"kind": kind}, 40, 6) for kind in ("standard", "mhc", "attnres_full")])
+    assert lines[0] == "attnres 0.1.0: residual standard over 6 sublayers (d = 40)"
+    assert lines[1].startswith("attnres 0.1.0: residual mhc") and "depth attention" not in lines[1], lines[1]
+    assert lines[2] == ("attnres 0.1.0: residual attnres_full over 6 sublayers (d = 40); depth attention in PyTorch "
+                        "operations, compiled with the model where vLLM compiles it")
+
+
+def test_the_load_line_serving_md_shows_is_the_line_logged():
+    """docs/serving.md, "Use", shows the line each worker logs at load, to check there that a
+    directory serves the residual trained: it showed only its first half, which a reader
+    searching the log for it as shown (a grep up to its closing parenthesis and the end of the
+    line) did not find. The line the doc shows is the one logged for its residual."""
+    from pathlib import Path
+
+    line, = _load_lines(({"kind": "attnres_block", "block_size": 2}, 128, 8))
     doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text().split())
-    assert f"e.g. `{records[0].getMessage()}`" in doc
+    assert f"e.g. `{line}`" in doc

@@ -73,11 +73,13 @@ def serving_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> Resi
     fuses the residual's elementwise work like any other (the custom operators of
     :mod:`attnres.ops.depth_attention` would be opaque calls there; they serve training).
     Same function, same parameters. Logs (once per process) what it built: a server's log
-    names the residual it serves."""
+    names the residual it serves, and how its depth attention runs where it has one (a
+    standard or baseline residual's line said "depth attention in PyTorch operations" too)."""
     serving = ResidualConfig.from_value({**config.to_dict(), "backend": "reference"})
-    logger.info_once("attnres %s: residual %s over %d sublayers (d = %d); depth attention in PyTorch operations, "
-                     "compiled with the model where vLLM compiles it", __version__,
-                     residual_class(serving.kind).describe(serving, n_sublayers), n_sublayers, dim)
+    cls = residual_class(serving.kind)
+    how = "; depth attention in PyTorch operations, compiled with the model where vLLM compiles it"
+    logger.info_once("attnres %s: residual %s over %d sublayers (d = %d)%s", __version__,
+                     cls.describe(serving, n_sublayers), n_sublayers, dim, how if cls.has_depth_attention else "")
     return build_residual(serving, dim, n_sublayers)
 
 
