@@ -90,7 +90,8 @@ def test_a_stopped_runs_commands_paste_back_to_it(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         cli_main([*resume[1:], "steps=4"])
     step = run / "checkpoints" / "step-00000002"
-    assert f"init_from={shlex.quote(str(step))} (fresh optimiser" in str(refused.value)
+    assert f"`attnres train --config {shlex.quote(str(run / 'config.json'))} init_from={shlex.quote(str(step))} " \
+           "out_dir=DIR` (fresh optimiser" in str(refused.value)
 
 
 def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):
