@@ -174,6 +174,27 @@ def test_a_path_inside_a_run_finds_that_run(runs, capsys):
     assert capsys.readouterr().out.splitlines()[1].startswith(str(run))
 
 
+def test_dot_from_within_a_run_s_checkpoints_stands_for_the_run(runs, monkeypatch, capsys):
+    """`.` from within RUN/checkpoints (or one of its step-* directories) was no run: its path has
+    no name and no parents to read, so `attnres status .` said "no training runs under .", and
+    generate / export / --resume-from . said it was "neither a checkpoint nor a run directory";
+    RUN/checkpoints was. It now stands for the run, named as reached from here (`..`)."""
+    from attnres.checkpoint.locate import find_valid_checkpoint, run_of_checkpoint, training_output
+
+    run = runs / "done"
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    monkeypatch.chdir(run / "checkpoints")
+    assert find_runs(".") == [Path("..")]
+    assert training_output(".") == "the checkpoints/ folder of the training run '..'"
+    assert run_of_checkpoint(".") == (Path(".."), None)
+    assert find_valid_checkpoint(".").path.resolve() == step.resolve()
+    assert cli_main(["status", "."]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("..")
+    monkeypatch.chdir(step)
+    assert find_runs(".") == [Path("../..")]
+    assert run_of_checkpoint(".") == (Path("../.."), step.name)
+
+
 @pytest.mark.parametrize("command", ["status", "plot"])
 def test_a_file_or_a_misspelt_folder_is_an_error(runs, tmp_path, command, capsys):
     """`attnres status corpus.txt` said "no training runs under corpus.txt" with exit status 0;
