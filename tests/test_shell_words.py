@@ -50,7 +50,8 @@ def test_out_dir_in_a_checkpoint_names_the_run_pasteably(tmp_path):
     commands = _commands(str(refused.value))
     assert ["attnres", "train", f"out_dir={run}", "--resume"] in commands
     assert ["--resume-from", str(step), f"out_dir={run}"] in commands
-    assert [f"init_from={step}", "out_dir=DIR"] in commands
+    # (with the run's config, which builds its model: init_from alone builds the default one)
+    assert ["attnres", "train", "--config", str(run / "config.json"), f"init_from={step}", "out_dir=DIR"] in commands
 
 
 def test_a_folder_of_runs_names_its_run_pasteably(tmp_path):

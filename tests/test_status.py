@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -179,7 +180,9 @@ def test_dot_from_within_a_run_s_checkpoints_stands_for_the_run(runs, monkeypatc
     no name and no parents to read, so `attnres status .` said "no training runs under .", and
     generate / export / --resume-from . said it was "neither a checkpoint nor a run directory";
     RUN/checkpoints was. It now stands for the run, named as reached from here (`..`)."""
-    from attnres.checkpoint.locate import find_valid_checkpoint, run_of_checkpoint, training_output
+    from attnres.checkpoint.locate import (find_valid_checkpoint, refuse_out_dir_not_a_run, run_of_checkpoint,
+                                           training_output)
+    from attnres.output_paths import OutputPathError
 
     run = runs / "done"
     step = sorted((run / "checkpoints").glob("step-*"))[-1]
@@ -193,6 +196,8 @@ def test_dot_from_within_a_run_s_checkpoints_stands_for_the_run(runs, monkeypatc
     monkeypatch.chdir(step)
     assert find_runs(".") == [Path("../..")]
     assert run_of_checkpoint(".") == (Path("../.."), step.name)
+    with pytest.raises(OutputPathError, match=re.escape("is a checkpoint of the run '../..', not a run directory")):
+        refuse_out_dir_not_a_run(".")  # (out_dir=. there: it was "a training checkpoint", of no run)
 
 
 @pytest.mark.parametrize("command", ["status", "plot"])

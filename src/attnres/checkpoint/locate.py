@@ -320,7 +320,8 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
     in an export or upcycle it replaces the transformers ``config.json``."""
     path = Path(out_dir)
     if (path / STATE_FILE).is_file():
-        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        whole = Path(os.path.abspath(path))  # (`.` from within the checkpoint: names to read)
+        run = reached_as(whole.parent.parent, path) if whole.parent.name == "checkpoints" else None
         what = f"a checkpoint of the run {str(run)!r}" if run is not None else "a training checkpoint"
         folder = str(path)
     elif (run := _checkpoints_folder(path)) is not None:
@@ -335,11 +336,11 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
               else f"to continue it, `attnres train --resume-from {shell_path(path)} out_dir=DIR`")
     if run is not None and folder is not None:
         advice += f" (or `--resume-from {shell_path(folder)} out_dir={shell_path(run)}`: this checkpoint)"
+    # (init_from alone builds the default model: a run's own config builds its model)
+    start = train_on_from(folder or run)[1] if run is not None else f"init_from={shell_path(path)} out_dir=DIR"
     raise OutputPathError(f"out_dir {str(path)!r} is {what}, not a run directory: a run writes config.json, "
                           f"metrics.jsonl and checkpoints/ into out_dir, which would nest a second run in there; "
-                          f"{advice}; to start a new run from its weights, "
-                          f"`init_from={shell_path(folder or run)} out_dir=DIR` "
-                          "(a new directory)")
+                          f"{advice}; to start a new run from its weights, `{start}` (a new directory)")
 
 
 #: The files of a training run's directory that its tools read (the config, the log, the lock
