@@ -798,6 +798,30 @@ def test_the_single_block_warning_of_a_one_layer_model_gives_its_own_default():
     assert "unset, it is 1: 2 blocks (about 8 where the depth allows" in said
 
 
+def test_a_single_block_config_read_back_is_not_warned_of_again(tmp_path):
+    """``ModelConfig(**config.to_dict())`` and ``TrainConfig(model=config.to_dict())`` of a Block
+    AttnRes config of a single block repeated the warning that building ``config`` gave: a new
+    ResidualConfig object, which its mark did not cover. A config read back says nothing, as of
+    the residual fields its variant does not read; a config stated anew, or a config file of
+    every field (a ``--print-config`` dump: the user's file), still warns."""
+    yaml = pytest.importorskip("yaml")
+    from attnres.models import ModelConfig
+    from attnres.train import TrainConfig, load_config
+
+    def single(call) -> int:
+        return sum("single block" in m for m in _warnings_of(call))
+
+    block = {"kind": "attnres_block", "block_size": 8}  # (the tiny preset: 4 sublayers)
+    with pytest.warns(UserWarning, match="single block"):  # (said once, where it is stated)
+        config = ModelConfig.preset("tiny", residual=dict(block))
+    assert single(lambda: ModelConfig(**config.to_dict())) == 0
+    assert single(lambda: TrainConfig(model=config.to_dict())) == 0
+    assert single(lambda: ModelConfig.preset("tiny", **config.to_dict())) == 0
+    assert single(lambda: ModelConfig(**{**config.to_dict(), "residual": dict(block)})) == 1
+    (tmp_path / "every-field.yaml").write_text(yaml.safe_dump({"model": config.to_dict()}))
+    assert single(lambda: load_config(str(tmp_path / "every-field.yaml"), [])) == 1
+
+
 def test_the_single_block_warning_names_the_block_size_as_each_path_writes_it():
     """A single block was warned of as "model.residual.block_size (attnres upcycle's
     --block-size) = 8" whatever the path: a plain ``ModelConfig(...)`` or ``AttnResConfig(...)``

@@ -644,8 +644,10 @@ def worker(root: Path) -> None:
     """On each of 2 ranks (``torchrun --nproc-per-node 2 this-file root``), through the Python
     API: ``save_sharded`` with its defaults; ``save_sharded`` that fails on rank 0 alone (a
     shard out of its sight); ``load_sharded`` of a checkpoint one of whose shards rank 0
-    damaged. Each rank records how each ended in ``<root>/rank<r>.json``."""
+    damaged; ``load_sharded`` where rank 1 reads a copy of its own (another node's out_dir)
+    whose shard is damaged. Each rank records how each ended in ``<root>/rank<r>.json``."""
     import datetime
+    import shutil
 
     import torch.distributed as dist
 
@@ -672,18 +674,27 @@ def worker(root: Path) -> None:
     attempt("defaults", lambda: read_checkpoint_state(save(1)))  # (published whole: it verifies)
     attempt("not json on rank 0", lambda: save_sharded(root / "run", 3, params, torch.optim.AdamW(model.parameters()),
                                                        {"seed": {1, 2}} if rank == 0 else {}, keep=2))
+    in_sight = sharded._check_shards_in_sight
     if rank == 0:
         def out_of_sight(tmp: Path) -> None:
             raise CheckpointError("a shard out of sight")
 
         sharded._check_shards_in_sight = out_of_sight
     attempt("rank 0 fails", lambda: save(2))
+    sharded._check_shards_in_sight = in_sight
     dist.barrier()
     first = root / "run" / "checkpoints" / "step-00000001"
     if rank == 0 and first.is_dir():
         (root / "damaged").write_text(damage(first).name)
     dist.barrier()
     attempt("damaged", lambda: load_sharded(first, params))
+    intact = save_sharded(root / "node0", 4, params, torch.optim.AdamW(model.parameters()), {}, keep=1)
+    own = root / "node1" / "checkpoints" / intact.name  # (rank 1's out_dir, on a file system of its own)
+    if rank == 1:
+        shutil.copytree(intact, own)
+        (root / "damaged on rank 1").write_text(damage(own).name)
+    dist.barrier()
+    attempt("damaged on rank 1", lambda: load_sharded(intact if rank == 0 else own, params))
     (root / f"rank{rank}.json").write_text(json.dumps(ended))
     dist.barrier()  # (every rank has answered: none was left waiting)
     dist.destroy_process_group()
@@ -733,16 +744,22 @@ def test_a_run_state_json_cannot_hold_on_rank_0_stops_every_rank(two_ranks):
 
 
 @pytest.mark.slow  # (the same launch)
-def test_load_sharded_of_a_damaged_checkpoint_fails_on_every_rank_together(two_ranks):
-    """On several ranks ``load_sharded`` verifies the checkpoint once (rank 0 hashes it, as the
-    trainer does) and every rank raises the same CheckpointError: none loads the damaged
-    shard, and none is left waiting in DCP's collectives for a rank that raised alone."""
+@pytest.mark.parametrize(("scenario", "where", "seen"), [
+    ("damaged", ("run", "checkpoints", "step-00000001"), ""),
+    ("damaged on rank 1", ("node1", "checkpoints", "step-00000004"), " (as rank 1 sees it)"),
+])
+def test_load_sharded_of_a_damaged_checkpoint_fails_on_every_rank_together(two_ranks, scenario, where, seen):
+    """On several ranks ``load_sharded`` verifies the checkpoint (rank 0 hashes every file, as the
+    trainer does) and every rank raises the same CheckpointError: none loads the damaged shard,
+    and none is left waiting in DCP's collectives for a rank that raised alone. Rank 0 alone
+    verified it: a rank reading another copy (an out_dir the nodes do not share) loaded its
+    damaged shard as it was, or failed alone in DCP's words; each rank now verifies the files it
+    reads, and the error names the rank that found it."""
     root, ended = two_ranks
-    path = root / "run" / "checkpoints" / "step-00000001"
-    shard = (root / "damaged").read_text()
-    assert ended[0]["damaged"] == ended[1]["damaged"] == (
-        f"CheckpointError: checkpoint {str(path)!r} is corrupted: dcp/{shard} does not match its SHA-256 in "
-        "state.json"), ended
+    shard = (root / scenario).read_text()
+    assert ended[0][scenario] == ended[1][scenario] == (
+        f"CheckpointError: checkpoint {str(root.joinpath(*where))!r} is corrupted: dcp/{shard} does not match its "
+        f"SHA-256 in state.json{seen}"), ended
 
 
 if __name__ == "__main__":

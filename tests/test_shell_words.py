@@ -50,7 +50,8 @@ def test_out_dir_in_a_checkpoint_names_the_run_pasteably(tmp_path):
     commands = _commands(str(refused.value))
     assert ["attnres", "train", f"out_dir={run}", "--resume"] in commands
     assert ["--resume-from", str(step), f"out_dir={run}"] in commands
-    assert [f"init_from={step}", "out_dir=DIR"] in commands
+    # (with the run's config, which builds its model: init_from alone builds the default one)
+    assert ["attnres", "train", "--config", str(run / "config.json"), f"init_from={step}", "out_dir=DIR"] in commands
 
 
 def test_a_folder_of_runs_names_its_run_pasteably(tmp_path):
@@ -90,7 +91,8 @@ def test_a_stopped_runs_commands_paste_back_to_it(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         cli_main([*resume[1:], "steps=4"])
     step = run / "checkpoints" / "step-00000002"
-    assert f"init_from={shlex.quote(str(step))} (fresh optimiser" in str(refused.value)
+    assert f"`attnres train --config {shlex.quote(str(run / 'config.json'))} init_from={shlex.quote(str(step))} " \
+           "out_dir=DIR` (fresh optimiser" in str(refused.value)
 
 
 def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -172,6 +173,31 @@ def test_a_path_inside_a_run_finds_that_run(runs, capsys):
         assert find_runs(inside) == [run], inside
     assert cli_main(["status", str(step)]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith(str(run))
+
+
+def test_dot_from_within_a_run_s_checkpoints_stands_for_the_run(runs, monkeypatch, capsys):
+    """`.` from within RUN/checkpoints (or one of its step-* directories) was no run: its path has
+    no name and no parents to read, so `attnres status .` said "no training runs under .", and
+    generate / export / --resume-from . said it was "neither a checkpoint nor a run directory";
+    RUN/checkpoints was. It now stands for the run, named as reached from here (`..`)."""
+    from attnres.checkpoint.locate import (find_valid_checkpoint, refuse_out_dir_not_a_run, run_of_checkpoint,
+                                           training_output)
+    from attnres.output_paths import OutputPathError
+
+    run = runs / "done"
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    monkeypatch.chdir(run / "checkpoints")
+    assert find_runs(".") == [Path("..")]
+    assert training_output(".") == "the checkpoints/ folder of the training run '..'"
+    assert run_of_checkpoint(".") == (Path(".."), None)
+    assert find_valid_checkpoint(".").path.resolve() == step.resolve()
+    assert cli_main(["status", "."]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("..")
+    monkeypatch.chdir(step)
+    assert find_runs(".") == [Path("../..")]
+    assert run_of_checkpoint(".") == (Path("../.."), step.name)
+    with pytest.raises(OutputPathError, match=re.escape("is a checkpoint of the run '../..', not a run directory")):
+        refuse_out_dir_not_a_run(".")  # (out_dir=. there: it was "a training checkpoint", of no run)
 
 
 @pytest.mark.parametrize("command", ["status", "plot"])

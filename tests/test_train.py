@@ -323,8 +323,12 @@ def test_sigterm_to_cli_subprocess_checkpoints_and_resumes_exactly(tmp_path, cor
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus_file):
     cfg = load_config(None, overrides(corpus_file, tmp_path, lr="1e30", schedule="constant", warmup_steps=0,
                                       grad_clip=0, checkpoint_every=1))
-    with pytest.raises(TrainingDiverged, match=r"non-finite .* at step 2 .*last good checkpoint is .*step-00000001"):
+    with pytest.raises(TrainingDiverged, match=r"non-finite .* at step 2 .*last good checkpoint is .*step-00000001") \
+            as error:
         train(cfg)
+    # (the run's config builds its model: init_from alone builds the default one)
+    assert f"`attnres train --config {tmp_path / 'config.json'} init_from={tmp_path / 'checkpoints' / 'step-00000001'} " \
+           "out_dir=DIR`" in str(error.value), error.value
     last = latest_checkpoint(tmp_path)
     assert last.name == "step-00000001"
     assert read_checkpoint_state(last)["step"] == 1  # still complete and verified

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -647,6 +648,22 @@ def test_a_refused_steps_change_of_a_wsd_run_names_the_decay_it_reached(tmp_path
         train(load_config(None, overrides(corpus_file, tmp_path / "stable", steps=3, resume="true", **wsd)))
     assert str(error.value).endswith("and with steps=3 the decay would start at step 3, which the checkpoint (step 3) "
                                      "has already taken."), error.value
+
+
+def test_the_train_longer_command_of_a_refused_steps_change_builds_the_run_s_model(tmp_path, corpus_file):
+    """The refusal said to train longer with `init_from=CHECKPOINT`, without the run's config: that
+    command built the default model (here 2 layers, not the run's 3) and was refused. It now names
+    the run's config.json, and runs as printed (DIR filled in)."""
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, stop_after=4, **{"model.n_layers": 3})))
+    with pytest.raises(SystemExit, match="steps=12") as error:
+        cli_main(["train", f"out_dir={run}", "--resume", "steps=12"])
+    command = re.search(r"To train longer, [^`]*`(attnres train [^`]*)`", str(error.value))
+    assert command is not None, error.value
+    words = shlex.split(command.group(1).replace("out_dir=DIR", f"out_dir={tmp_path / 'longer'}"))
+    assert words[:3] == ["attnres", "train", "--config"] and Path(words[3]) == run / "config.json", words
+    assert cli_main(words[1:] + ["stop_after=1"]) == 0  # (one step shows it starts)
+    assert json.loads((tmp_path / "longer" / "config.json").read_text())["model"]["n_layers"] == 3
 
 
 def test_extending_a_wsd_run_before_its_decay_equals_training_longer(tmp_path, corpus_file):

@@ -349,6 +349,27 @@ def test_a_family_config_alias_s_value_is_checked_as_its_field():
     assert hf_config_of(both.replace(hf_config={"num_experts": 6})).num_local_experts == 6
 
 
+def test_an_alias_set_over_a_directory_s_field_is_saved_as_that_field_alone(tmp_path):
+    """``model.from_hf=DIR model.hf_config.num_experts=8`` over a Mixtral directory (whose
+    config.json says ``num_local_experts``) kept both keys in the run's config (its
+    config.json): which one counted hung on their order when read. It is saved as the field."""
+    pytest.importorskip("yaml")
+    from transformers import MixtralConfig
+
+    from attnres.train import TrainConfig, load_config
+
+    MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                  max_position_embeddings=256).save_pretrained(tmp_path / "mixtral")
+    config = load_config(None, [f"model.from_hf={tmp_path / 'mixtral'}", "model.hf_config.num_experts=8"])
+    saved = config.to_dict()["model"]["hf_config"]
+    assert saved["num_local_experts"] == 8 and "num_experts" not in saved, saved
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))).model.hf_config == saved
+    given = load_config(None, ["model.hf_architecture=mixtral", "model.hf_config.num_local_experts=4",
+                               "model.hf_config.num_experts=6"])  # (both in one config: the later, as read)
+    assert given.model.hf_config == {"num_local_experts": 6}
+
+
 # -- expert load -------------------------------------------------------------------------
 
 def test_expert_load_is_the_originals_at_conversion_and_well_formed():

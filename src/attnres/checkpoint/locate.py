@@ -34,7 +34,7 @@ from .sharded import is_sharded, verify_dcp_files
 __all__ = ["CheckpointRemoved", "Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
            "no_checkpoint_at", "refuse_loading_training_output", "refuse_mismatched_weights", "refuse_missing_shards",
            "refuse_missing_weights",
-           "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint",
+           "reached_as", "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint",
            "set_aside_newer", "train_on_from", "training_output", "unreadable_weights", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
@@ -221,18 +221,36 @@ def refuse_mismatched_weights(where: str, mismatched, fix: str) -> None:
                      f"{'; ...' if len(found) > 2 else ''}): the config.json is not these weights' model; {fix}")
 
 
+def reached_as(found: Path, given: str | Path) -> Path:
+    """``found``, a directory read off the absolute form of ``given`` (the run of a checkpoint,
+    of a ``checkpoints/`` folder), named as ``given`` is: absolute where it is, else relative to
+    the working directory. The names of a relative ``given`` do not tell: ``.`` from within a
+    run's ``checkpoints/`` has no name and no parent to read (``..`` here)."""
+    return found if Path(given).is_absolute() else Path(os.path.relpath(found))
+
+
+def _checkpoints_folder(path: str | Path) -> Path | None:
+    """The run whose ``checkpoints/`` folder ``path`` is (``RUN/checkpoints``, or ``.`` from within
+    it), as :func:`reached_as` names it; ``None`` otherwise. (replaced: a folder whose only step a
+    kill left moved aside, .old-step-*, is still the run's)"""
+    whole = Path(os.path.abspath(path))  # (no symlink resolved: the run as the user reaches it)
+    if whole.name == "checkpoints" and not (whole / "checkpoints").is_dir() and checkpoint_dirs(whole.parent, True):
+        return reached_as(whole.parent, path)
+    return None
+
+
 def training_output(path: str | Path) -> str | None:
     """What ``path`` is when it is a training run's directory (it holds ``checkpoints/``), one
     of its checkpoints (a ``state.json``) or its ``checkpoints/`` folder (``attnres export RUN
-    --out RUN/checkpoints`` wrote the model among the checkpoints), in words; ``None`` otherwise."""
+    --out RUN/checkpoints`` wrote the model among the checkpoints; ``.`` from within it), in
+    words; ``None`` otherwise."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         return "a training run's directory (it holds checkpoints/)"
     if (path / STATE_FILE).is_file():
         return f"a training checkpoint (it holds {STATE_FILE})"
-    # (replaced: a folder whose only step a kill left moved aside, .old-step-*, is still the run's)
-    if path.name == "checkpoints" and checkpoint_dirs(path.parent, replaced=True):
-        return f"the checkpoints/ folder of the training run {str(path.parent)!r}"
+    if (run := _checkpoints_folder(path)) is not None:
+        return f"the checkpoints/ folder of the training run {str(run)!r}"
     return None
 
 
@@ -261,7 +279,7 @@ def _run_of_output(path: Path) -> Path:
     whole = Path(os.path.abspath(path))  # (no symlink resolved: the run as the user reaches it)
     run = whole.parent if whole.name == "checkpoints" else \
         whole.parent.parent if whole.parent.name == "checkpoints" else whole
-    return run if path.is_absolute() else Path(os.path.relpath(run))
+    return reached_as(run, path)
 
 
 def refuse_training_output(path: str | Path) -> None:
@@ -302,12 +320,12 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
     in an export or upcycle it replaces the transformers ``config.json``."""
     path = Path(out_dir)
     if (path / STATE_FILE).is_file():
-        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        whole = Path(os.path.abspath(path))  # (`.` from within the checkpoint: names to read)
+        run = reached_as(whole.parent.parent, path) if whole.parent.name == "checkpoints" else None
         what = f"a checkpoint of the run {str(run)!r}" if run is not None else "a training checkpoint"
         folder = str(path)
-    elif path.name == "checkpoints" and not (path / "checkpoints").is_dir() and checkpoint_dirs(path.parent,
-                                                                                                 replaced=True):
-        run, what, folder = path.parent, f"the checkpoints/ folder of the run {str(path.parent)!r}", None
+    elif (run := _checkpoints_folder(path)) is not None:
+        what, folder = f"the checkpoints/ folder of the run {str(run)!r}", None
     elif holds_hf_model(path):
         raise OutputPathError(f"out_dir {str(path)!r} is a Hugging Face directory: a training run written there would "
                               f"replace its config.json; to train from it, `init_from={shell_path(path)}` (with "
@@ -318,11 +336,11 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
               else f"to continue it, `attnres train --resume-from {shell_path(path)} out_dir=DIR`")
     if run is not None and folder is not None:
         advice += f" (or `--resume-from {shell_path(folder)} out_dir={shell_path(run)}`: this checkpoint)"
+    # (init_from alone builds the default model: a run's own config builds its model)
+    start = train_on_from(folder or run)[1] if run is not None else f"init_from={shell_path(path)} out_dir=DIR"
     raise OutputPathError(f"out_dir {str(path)!r} is {what}, not a run directory: a run writes config.json, "
                           f"metrics.jsonl and checkpoints/ into out_dir, which would nest a second run in there; "
-                          f"{advice}; to start a new run from its weights, "
-                          f"`init_from={shell_path(folder or run)} out_dir=DIR` "
-                          "(a new directory)")
+                          f"{advice}; to start a new run from its weights, `{start}` (a new directory)")
 
 
 #: The files of a training run's directory that its tools read (the config, the log, the lock
@@ -428,19 +446,19 @@ def run_of_checkpoint(path: str | Path) -> tuple[Path, str | None] | None:
     ``keep_checkpoints`` rotation would delete it with the checkpoint, and the ``checkpoints``
     folder holds checkpoints only."""
     path = Path(path).expanduser()
-    if path.parent.name == "checkpoints" and path.name.startswith("step-"):
-        return path.parent.parent, path.name
-    if path.name == "checkpoints" and (path.parent / "config.json").is_file():
-        return path.parent, None
+    whole = Path(os.path.abspath(path))  # (names to read: `.` from within the folder has none)
+    if whole.parent.name == "checkpoints" and whole.name.startswith("step-"):
+        return reached_as(whole.parent.parent, path), whole.name
+    if whole.name == "checkpoints" and (whole.parent / "config.json").is_file():
+        return reached_as(whole.parent, path), None
     return None
 
 
 def _run_directory(location: Path) -> Path:
     """The run directory ``location`` names: itself, or the run whose ``checkpoints/`` folder
-    it is (what ``ls`` and tab completion offer between a run and its ``step-*`` directories)."""
-    if location.name == "checkpoints" and not (location / "checkpoints").is_dir() and checkpoint_dirs(location.parent, True):
-        return location.parent
-    return location
+    it is (what ``ls`` and tab completion offer between a run and its ``step-*`` directories;
+    ``.`` from within it)."""
+    return _checkpoints_folder(location) or location
 
 
 def newest_state(location: str | Path) -> tuple[Path, dict[str, Any]] | None:

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -373,10 +374,12 @@ def _what_is_there(path: Path) -> str:
     return f"; its run's checkpoints: {', '.join(p.name for p in there[-5:])}" if there else ""
 
 
-def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = (),
+                          only: Collection[str] | None = None) -> dict[str, Any]:
     """``state.json`` of a checkpoint after verifying it (its own hash, its step against the
     directory's name) and every file it lists (size and SHA-256) but those of ``optional`` that
-    are absent (inference needs no ``optimizer.safetensors``).
+    are absent (inference needs no ``optimizer.safetensors``); ``only``: of the files it lists,
+    these alone (what one rank of a sharded load reads, :mod:`attnres.checkpoint.sharded`).
     Raises :class:`CheckpointError` naming the problem."""
     path = Path(path)
     if not path.is_dir():
@@ -396,7 +399,7 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
     _check_listing(path, doc)
     for name, info in doc["files"].items():
         f = path / name
-        if name in optional and not f.exists():
+        if (name in optional and not f.exists()) or (only is not None and name not in only):
             continue
         try:
             if not f.is_file():

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -268,25 +268,44 @@ def _verify(path: Path) -> dict[str, Any]:
     return state
 
 
-def _verify_once(path: Path) -> dict[str, Any]:
-    """:func:`_verify` of ``path`` on rank 0, its outcome on every rank of the default
-    process group (one process: there): each rank hashing every shard would read the whole
-    checkpoint once per rank, and a rank that raised alone would leave the others waiting in
-    DCP's first collective. Every rank raises :class:`CheckpointError` when it fails."""
+def _files_read(path: Path, names: Collection[str], optimizer: bool, rng: bool) -> set[str]:
+    """The files of the sharded checkpoint ``path`` that a rank loading the parameters ``names``
+    (their own names; their optimiser state too where ``optimizer``) reads: the DCP metadata, the
+    data files holding any piece of those entries (of a sharded one, every piece: what DCP
+    reads is among them) and, where ``rng``, the generator states."""
+    own = {f"model.{name}" for name in names}
+    states = tuple(f"optim.{name}." for name in names) if optimizer else ()
+    index = _reader(path).read_metadata().storage_data
+    return {f"{DCP_DIR}/.metadata", *([RNG_FILE] if rng else []),
+            *(f"{DCP_DIR}/{info.relative_path}" for key, info in index.items()
+              if uncompiled_name(key.fqn) in own or (states and uncompiled_name(key.fqn).startswith(states)))}
+
+
+def _verify_on_every_rank(path: Path, reads: Callable[[], set[str]]) -> None:
+    """:func:`_verify` of ``path`` on rank 0 (every file hashed, once) and, on each other rank,
+    of the files it reads (``reads()``, :func:`_files_read`): what rank 0 saw of them, a rank of
+    another node sees only where out_dir is on a file system every node shares, and a damaged
+    copy of its own failed in DCP's words, or loaded as it was. Every rank raises the same
+    :class:`CheckpointError`, the lowest failing rank's, when any fails: a rank that raised alone
+    left the others waiting in DCP's first collective. In one process: :func:`_verify`."""
     if not _several_ranks():
-        return _verify(path)
-    outcome: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = ("ok", _verify(path))
-        except Exception as e:  # noqa: BLE001 - any failure (an unreadable file's OSError too) is every rank's
-            outcome[0] = ("error", str(e) if isinstance(e, CheckpointError) else
-                          f"checkpoint {str(path)!r} cannot be verified: {describe_failure(e)}")
-    dist.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
-    if kind == "error":
-        raise CheckpointError(value)
-    return value
+        _verify(path)
+        return
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            _verify(path)
+        else:
+            verify_dcp_files(path, read_checkpoint_state(path, only=reads()))
+        problem = None
+    except Exception as e:  # noqa: BLE001 - any failure (an unreadable file's OSError too) is every rank's
+        problem = str(e) if isinstance(e, CheckpointError) else \
+            f"checkpoint {str(path)!r} cannot be verified: {describe_failure(e)}"
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, problem)
+    failed = next((r for r, report in enumerate(reports) if report is not None), None)
+    if failed is not None:
+        raise CheckpointError(reports[failed] + ("" if failed == 0 else f" (as rank {failed} sees it)"))
 
 
 def _leave_fresh_where_none_was_saved(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
@@ -310,17 +329,19 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
     stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this.
     ``verified``: the checkpoint's ``state.json``, where the caller has verified it (as the
     trainer has, :func:`~attnres.checkpoint.find_valid_checkpoint`: its shards are not hashed
-    again); without it rank 0 verifies it first (every file's SHA-256: a damaged shard loaded
-    as it was, without a word) and every rank raises :class:`CheckpointError` if it fails.
+    again); without it it is verified first (every file's SHA-256: a damaged shard loaded as it
+    was, without a word), every file by rank 0 and the files each other rank reads by that rank
+    (:func:`_verify_on_every_rank`), and every rank raises the same :class:`CheckpointError` if
+    any fails.
     A parameter that had no optimiser state when the checkpoint was saved (frozen, or never
     stepped) keeps a fresh one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
-    if verified is None:
-        _verify_once(path)
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
+    if verified is None:
+        _verify_on_every_rank(path, lambda: _files_read(path, params, optimizer is not None, restore_rng))
     reader = _reader(path)
     stored = reader.read_metadata().state_dict_metadata
     if optimizer is not None:  # (a checkpoint written before the optimiser's first step holds none: all fresh)

@@ -139,6 +139,21 @@ def read_quietly() -> Iterator[None]:
         _reading.reset(token)
 
 
+def _read_back_in_python(residual: Any) -> bool:
+    """Whether ``residual``, a model's ``residual`` as given, is a config read back in Python
+    (:func:`read_back`: ``ModelConfig(**config.to_dict())``, ``TrainConfig(model=config.to_dict())``)
+    and not a config file's (read within :func:`read_quietly`, where a mapping of every field is
+    the file's: a ``--print-config`` dump of the user's)."""
+    return read_back(residual) and not _reading.get()
+
+
+def _as_read_back(again: bool) -> contextlib.AbstractContextManager:
+    """Where ``again`` (:func:`_read_back_in_python`), checked as a stored config is
+    (``migrations.stored_config``): Block AttnRes' single block was warned of where the config
+    was stated, and its reading back said it again; marked said, without a word."""
+    return stored_config() if again else contextlib.nullcontext()
+
+
 def _quiet() -> bool:
     """Whether a config built now is not the user's statement: read within :func:`read_quietly`,
     or within ``migrations.stored_config()`` (a stored config, whose warnings were given when
@@ -234,7 +249,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         given = self.residual  # (a mapping read back is no statement: ModelConfig(**config.to_dict()))
         self.residual = ResidualConfig.from_value(self.residual)
-        self.validate()
+        with _as_read_back(_read_back_in_python(given)):
+            self.validate()
         checked = _unread_checked(self.residual)
         said = vars(self.residual).get(_SAID_UNREAD) == checked  # (vars: ResidualConfig.__getattr__ answers old names)
         if not _quiet() and not read_back(given) and not said:  # (built in Python: the user's own statement)
@@ -367,8 +383,14 @@ class ModelConfig:
         if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")
         changes = migrate_model_keys(overrides)
+        again = _read_back_in_python(overrides.get("residual"))  # (TrainConfig(model=config.to_dict()))
+
+        def build() -> ModelConfig:
+            with _as_read_back(again):
+                return cls.from_dict(_merge(PRESETS[name], changes))
+
         # (the user's statement: the residual fields the overrides give are warned of, not the preset's block size)
-        return stated(lambda: cls.from_dict(_merge(PRESETS[name], changes)), residual_fields_stated(overrides))
+        return stated(build, residual_fields_stated(overrides))
 
 
 def require_model_config(config: Any, who: str) -> None:

@@ -24,7 +24,8 @@ NATIVE_MODEL_TYPE = "attnres"
 #: The hooks the wing provides, and what each is.
 HOOKS = {
     "build_model": "a ModelConfig with hf_architecture -> the family's freshly initialised AttnRes causal LM",
-    "check_config": "a ModelConfig with hf_architecture -> None, or ValueError on an unknown hf_config key",
+    "check_config": "a ModelConfig with hf_architecture -> its hf_config, each alias named as its field "
+                    "(num_experts: num_local_experts), or ValueError on an unknown hf_config key",
     "fields_from_directory": "a saved transformers directory -> the ModelConfig fields of its model (model.from_hf)",
     "layout_of": "a family model_type -> its decoder layer's Layout (sublayer and norm attribute names)",
     "family_of": "a model_type, plain or AttnRes (attnres_X) -> the family's model_type X",

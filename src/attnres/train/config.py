@@ -267,7 +267,8 @@ class TrainConfig:
             fail("TrainConfig", "model", "a ModelConfig", self.model)
         self.model.validate()
         if self.model.hf_architecture is not None and self.model.hf_config:
-            hf_hook("check_config")(self.model)  # needs transformers, as such a model does
+            # (needs transformers, as such a model does; an alias saved beside its field: the later won when read)
+            self.model.hf_config = hf_hook("check_config")(self.model)
         if not isinstance(self.data, DataConfig):
             fail("TrainConfig", "data", "a DataConfig", self.data)
         self.data.validate()

@@ -53,6 +53,7 @@ from ..checkpoint import (
     save_sharded,
     write_checkpoint,
 )
+from ..checkpoint.locate import train_on_from
 from ..data.corpus import absolute_paths, data_files
 from ..data.tokenizer import TOKENIZER_KINDS, tokenizer_file
 from ..distributed.data_parallel import shard_optimizer_state
@@ -511,8 +512,8 @@ class Trainer:
         if self.last_ckpt is None:
             return "no checkpoint was written yet. Lower lr, raise warmup_steps or set grad_clip."
         return (f"the last good checkpoint is {str(self.last_ckpt)!r}. Lower lr, raise warmup_steps or set grad_clip, "
-                f"and start again from its weights with init_from={shell_path(self.last_ckpt)} (a fresh optimiser and "
-                "schedule) in a new out_dir")
+                f"and start again from its weights with its run's config, `{train_on_from(self.last_ckpt)[1]}` (a "
+                "fresh optimiser and schedule; DIR a new out_dir)")
 
     def log_step(self, factor: float, grad_norm: float, window: list) -> None:
         """A ``train`` record (rank 0) with the tokens/s of the window since the last one;

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError, Source
-from ..checkpoint.locate import newest_state, run_of_checkpoint
+from ..checkpoint.locate import newest_state, run_of_checkpoint, train_on_from
 from ..checkpoint.manifest import latest_checkpoint
 from ..migrations import stored_config
 from ..models.config import READ_BY_SOME_KINDS, ModelConfig
@@ -188,7 +188,7 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             f"steps={old['steps']}, and the {old['schedule']!r} learning-rate schedule spans `steps` ({change}), so the "
             "run would jump to another point of its schedule. To stop earlier, keep "
             f"steps={old['steps']} and set stop_after=K. To train longer, start a new run from this checkpoint's "
-            f"weights with init_from={shell_path(source.path)} (fresh optimiser and schedule)"
+            f"weights with its run's config, `{train_on_from(source.path)[1]}` (fresh optimiser and schedule)"
             + _why_steps_cannot_change(old, new, step))
 
 

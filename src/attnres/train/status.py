@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import latest_checkpoint
+from ..checkpoint.locate import reached_as
 from ..checkpoint.manifest import STATE_FILE, step_of_directory
 from ..output_paths import read_json_object
 from ..shell_words import shell_path
@@ -104,10 +105,11 @@ def find_runs(root: str | Path) -> list[Path]:
     root = Path(root)
     if is_run_directory(root):
         return [root]
-    enclosing = next((p for p in list(root.parents)[:3] if is_run_directory(p)), None)
+    whole = Path(os.path.abspath(root))  # (`.` from within a run's checkpoints/ has no parents to read)
+    enclosing = next((p for p in list(whole.parents)[:3] if is_run_directory(p)), None)
     # (a file of the run itself too: `attnres plot runs/x/metrics.jsonl` said it was no run)
-    if enclosing is not None and (root.relative_to(enclosing).parts[0] in _INSIDE_A_RUN or root.is_file()):
-        return [enclosing]
+    if enclosing is not None and (whole.relative_to(enclosing).parts[0] in _INSIDE_A_RUN or root.is_file()):
+        return [reached_as(enclosing, root)]
     return sorted(_runs_below(root))
 
 

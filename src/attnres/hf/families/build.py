@@ -65,20 +65,32 @@ def _in_family_types(family: str, hf_config: dict[str, Any]) -> dict[str, Any]:
     an alias's value was set unchecked, and ``num_experts=4.0`` failed where the model was
     built ("empty() takes 1 positional argument"). (Given both, the later one wins, as the
     alias did.)"""
-    floats, aliases = _float_fields(family), _family_fields(family)[1]
-    named = {}
+    floats = _float_fields(family)
+    return {field: float(value) if field in floats and isinstance(value, int) and not isinstance(value, bool) else value
+            for field, value in _named_as_fields(family, hf_config).items()}
+
+
+def _named_as_fields(family: str, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``hf_config`` with each alias of ``family``'s config given as the field it names
+    (``num_experts``: Mixtral's ``num_local_experts``), the later of an alias and its field
+    winning (a change merged over a directory's)."""
+    aliases = _family_fields(family)[1]
+    named: dict[str, Any] = {}
     for key, value in hf_config.items():
         field = aliases.get(key, key)
-        named.pop(field, None)  # (the later of an alias and its field wins: a change merged over a directory's)
-        named[field] = float(value) if field in floats and isinstance(value, int) and not isinstance(value, bool) \
-            else value
+        named.pop(field, None)
+        named[field] = value
     return named
 
 
-def check_hf_config(config) -> None:
+def check_hf_config(config) -> dict[str, Any]:
     """Raise ``ValueError`` when ``config.hf_config`` (a ``ModelConfig`` with
     ``hf_architecture``) holds a key its family's config does not know (a misspelt field
-    would be kept as an unused attribute), or one a ``ModelConfig`` field sets."""
+    would be kept as an unused attribute), or one a ``ModelConfig`` field sets. Returns it
+    with each alias given as its field (:func:`_named_as_fields`), what a run saves: given
+    both (``model.from_hf=DIR model.hf_config.num_experts=8`` over a directory's
+    ``num_local_experts``), its config.json kept both, and which one counted depended on
+    their order."""
     fields, aliases = _family_fields(config.hf_architecture)
     ours = {hf: ours for ours, hf in FIELD_HF_NAMES.items()}
     for key in config.hf_config:
@@ -98,6 +110,7 @@ def check_hf_config(config) -> None:
     except (_FieldRefused, TypeError) as e:
         raise ValueError(f"ModelConfig.hf_config: the {config.hf_architecture!r} config refuses it: "
                          f"{' '.join(str(e).split())}") from None
+    return _named_as_fields(config.hf_architecture, config.hf_config)
 
 
 def hf_config_of(config) -> PretrainedConfig:
