@@ -555,3 +555,25 @@ def test_kept_decoders_make_way_for_a_new_one(fake_cuda_graphs, built, monkeypat
     want = generate(model, ids, mask, max_new_tokens=3, decode="dynamic").tolist()
     assert generate(model, ids, mask, max_new_tokens=3).tolist() == want
     assert list(vars(model)[kept_decoders._ATTRIBUTE].idle) and len(built) == 6
+
+
+def test_a_graph_kept_from_an_autocast_block_casts_the_weights_of_each_step(fake_cuda_graphs):
+    """A graph captured under ``torch.autocast`` and kept for a later call: a capture that
+    read autocast's cache of cast weights recorded no cast, only the cached copies, which
+    autocast frees when its block ends (on a GPU the next call's replays read freed memory;
+    here the copies of the capture's time: the weights updated in place since were not
+    seen, the tokens were the old weights'). The capture casts without that cache."""
+    model = make_model(residual="attnres_block").eval()
+    other = dict(make_model(residual="attnres_block", seed=5).named_parameters())
+    ids, mask = ragged_prompts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        generate(model, ids, mask, max_new_tokens=6)
+    with torch.no_grad():  # (the AttnRes queries left alone: new folded queries capture again)
+        for name, p in model.named_parameters():
+            if not name.startswith("residual."):
+                p.copy_(other[name])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
+    assert fake_cuda_graphs.count("capture") == 1
+

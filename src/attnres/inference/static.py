@@ -19,6 +19,8 @@ model's ordinary decoder pass on the new token; only self-attention reads the ca
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -274,8 +276,9 @@ class StaticDecoder:
         """Warm up (kernels compiled, workspaces allocated) on a side stream, each step on the
         empty cache, then record one step into a CUDA graph; the cache is left empty. On the model's device made
         current: ``torch.cuda.graph`` captures a stream of the current device, which the
-        step's operations on another device (a model on ``cuda:1``) would not run on."""
-        with torch.cuda.device(self.device):
+        step's operations on another device (a model on ``cuda:1``) would not run on. Under
+        ``torch.autocast`` without autocast's cache of cast weights (:func:`_uncached_autocast`)."""
+        with torch.cuda.device(self.device), _uncached_autocast(self.device.type):
             self._record()
 
     def _record(self) -> None:
@@ -297,3 +300,16 @@ class StaticDecoder:
         # (capture records the kernels without running them: the cache is still empty)
         self._captured_with = self._weights()
         self.length = 0
+
+
+def _uncached_autocast(device_type: str):
+    """Autocast as it is, without its cache of cast weights, while a graph is captured under
+    it: a capture reading that cache records no cast, only the cached copies' addresses -
+    copies that autocast frees when its block ends, so a graph kept for a later call
+    (``generate`` keeps them) read freed memory there, and on the CPU's fake graphs the weights
+    of the capture's time (an in-place update of a weight was not seen). Without the cache
+    the graph casts the weights at each replay, as ``torch.cuda.make_graphed_callables``
+    requires (``cache_enabled=False``)."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
