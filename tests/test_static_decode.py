@@ -283,6 +283,26 @@ def test_compiled_decoder_past_the_recompile_limit_decodes_eagerly():
 
 
 # -- the decoder's API ---------------------------------------------------------------------
+def test_a_decoder_is_freed_when_its_last_reference_goes():
+    """A decoder of every mode frees its static cache when its last reference goes (``del``,
+    ``release_decoders`` of the ones ``generate`` keeps), without a garbage collection: the
+    compiled one held its bound ``_run_compiled`` - a cycle through itself, its cache held in
+    (GPU) memory until a collection."""
+    import gc
+    import weakref
+
+    model = make_model(residual="attnres_block").eval()
+    for mode in ("eager", "compiled"):
+        decoder = StaticDecoder(model, 2, capacity=16, mode=mode)
+        refs = [weakref.ref(decoder), weakref.ref(decoder.cache.k[0])]
+        gc.disable()
+        try:
+            del decoder
+            assert [ref() for ref in refs] == [None, None], mode
+        finally:
+            gc.enable()
+
+
 def test_decoder_decodes_greedily_and_rewinds():
     """``decode(tokens, n)`` is ``n`` greedy steps; ``rewind`` returns to a context length
     (how a benchmark decodes at a fixed context) and decodes the same again."""

@@ -142,13 +142,13 @@ class StaticDecoder:
                              "their first workspaces")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
         self._graph = self._logits = self._captured_with = None
+        # (the compiled step, None for the eager one: not the bound self._run_compiled, a cycle through the
+        # decoder that kept its cache in memory, after release_decoders or the last reference, until a collection)
+        self._compiled = None
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
                 torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
             self._compiled = _compiled_step("reduce-overhead" if cuda_graphs(self.device) else None)
-            self._run = self._run_compiled
-        else:
-            self._run = static_decode_step
         if mode == "graph":
             self._capture()
 
@@ -221,7 +221,9 @@ class StaticDecoder:
         with torch.no_grad():
             if self.mode == "compiled" and cuda_graphs(self.device):
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
-            return self._run(self.model, self.cache, tokens)
+            if self._compiled is None:
+                return static_decode_step(self.model, self.cache, tokens)
+            return self._run_compiled(self.model, self.cache, tokens)
 
     def _run_compiled(self, model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
         """The compiled step; past Dynamo's recompile limit (one graph per model class, dtype,
@@ -235,7 +237,7 @@ class StaticDecoder:
                       "decode step - one graph per model class, dtype, batch size, capacity and grad mode - so "
                       "this generation decodes eagerly; raise the limit, or use decode='static'",
                       RuntimeWarning)
-            self._run = static_decode_step
+            self._compiled = None
             return static_decode_step(model, cache, tokens)
 
     def decode(self, tokens: Tensor, n: int) -> Tensor:
