@@ -577,3 +577,28 @@ def test_a_graph_kept_from_an_autocast_block_casts_the_weights_of_each_step(fake
         assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
     assert fake_cuda_graphs.count("capture") == 1
 
+
+def test_a_model_with_kept_decoders_is_freed_when_its_last_reference_goes(fake_cuda_graphs):
+    """``del model`` frees the model and its kept decoders (their caches and graphs) at
+    once, as it frees a model that never generated: a kept decoder that held its model made
+    a cycle through the model's ``__dict__``, which only the garbage collector freed (GPU
+    memory held until a collection). A decoder lent out again decodes with the model."""
+    import gc
+    import weakref
+
+    from attnres.inference import kept_decoders
+
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=4, decode="dynamic")
+    for _ in range(2):
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=4), want)
+    (decoder,) = vars(model)[kept_decoders._ATTRIBUTE].idle.values()
+    refs = [weakref.ref(model), weakref.ref(decoder)]
+    del decoder
+    gc.disable()
+    try:
+        del model
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()

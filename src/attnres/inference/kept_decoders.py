@@ -84,6 +84,8 @@ def borrowed_decoder(model, batch_size: int, capacity: int, mode: str) -> Iterat
         decoder = kept.idle.pop(key, None)
     if decoder is None:
         decoder = _new_decoder(model, kept, batch_size, capacity, mode)
+    else:
+        decoder.model = model  # (an idle one holds none: _give_back)
     try:
         yield decoder
     except GeneratorExit:  # (a stream closed early, or collected: the decoder is between steps)
@@ -107,6 +109,11 @@ def _new_decoder(model, kept: _KeptDecoders, batch_size: int, capacity: int, mod
 
 
 def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
+    # An idle decoder holds no model: the model's __dict__ holds the decoder, whose reference back
+    # made a cycle that only the garbage collector frees - after `del model` its weights, the kept
+    # caches and their graphs stayed in (GPU) memory until a collection. (A graph reads the
+    # parameters by address: it goes with the model, the only way to it.)
+    decoder.model = None
     with _LOCK:
         kept.idle[key] = decoder
         kept.idle.move_to_end(key)
