@@ -602,3 +602,55 @@ def test_a_model_with_kept_decoders_is_freed_when_its_last_reference_goes(fake_c
         assert [ref() for ref in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_a_decoder_interrupted_mid_step_is_not_kept(fake_cuda_graphs, built, monkeypatch):
+    """A ``KeyboardInterrupt`` (or any error) inside a step leaves the decoder mid-step:
+    it is dropped, not kept, and the next call builds another that gives the dynamic
+    tokens; an error of the caller's between steps (the stream then closed) keeps it."""
+    from attnres.inference import stream
+
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+    step = StaticDecoder.step
+
+    def interrupted(self, tokens):
+        step(self, tokens)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StaticDecoder, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, ids, mask, max_new_tokens=6)
+    monkeypatch.setattr(StaticDecoder, "step", step)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want) and len(built) == 2
+    with pytest.raises(ZeroDivisionError):
+        for i, _ in enumerate(stream(model, ids, mask, max_new_tokens=6)):
+            i / (2 - i)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want) and len(built) == 2
+
+
+def test_a_kept_graph_follows_the_models_weights(fake_cuda_graphs):
+    """The kept graph of a model whose weights were replaced (``load_state_dict(...,
+    assign=True)``: new addresses), whose AttnRes queries were updated in place (new folded
+    queries), or that was trained and put back in eval mode: every call gives the dynamic
+    tokens of the weights it has then."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+
+    def same_tokens():
+        want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
+
+    same_tokens()
+    model.load_state_dict(make_model(residual="attnres_block", seed=3).state_dict(), assign=True)
+    same_tokens()
+    with torch.no_grad():
+        model.residual.mixers[1].query.mul_(-2)
+    same_tokens()
+    model.train()
+    with torch.no_grad():
+        model.lm_head.weight.data *= 1.5
+    model.eval()
+    same_tokens()
+    assert fake_cuda_graphs.count("capture") == 4  # (train() and eval() drop the folded queries: new ones)
