@@ -654,3 +654,38 @@ def test_a_kept_graph_follows_the_models_weights(fake_cuda_graphs):
     model.eval()
     same_tokens()
     assert fake_cuda_graphs.count("capture") == 4  # (train() and eval() drop the folded queries: new ones)
+
+
+def test_a_stream_collected_under_the_kept_decoders_lock_gives_its_decoder_back(fake_cuda_graphs, built, monkeypatch):
+    """An abandoned stream in a reference cycle is closed by the garbage collector, which
+    runs at whatever allocation comes next - in the thread that holds the kept decoders'
+    lock, too: its give-back waited for that lock, which the same thread held (the thread,
+    and every later generate of the process, hung). A give-back takes no lock; the decoder
+    is kept at the next borrow."""
+    import gc
+    import threading
+
+    from attnres.inference import kept_decoders, stream
+
+    monkeypatch.setattr(kept_decoders, "_LOCK", threading.Lock())  # (a hang holds this one only)
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+    abandoned = stream(model, ids, mask, max_new_tokens=6)
+    next(abandoned)
+    cycle = [abandoned]
+    cycle.append(cycle)
+    del abandoned, cycle
+    kept = kept_decoders._kept
+
+    def collecting(owner):  # (under the lock: a collection an allocation there would start)
+        gc.collect()
+        return kept(owner)
+
+    monkeypatch.setattr(kept_decoders, "_kept", collecting)
+    got = []
+    worker = threading.Thread(target=lambda: got.append(generate(model, ids, mask, max_new_tokens=6)), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert got and torch.equal(got[0], want)
+    assert len(built) == 1  # (the abandoned stream's decoder, given back during the collection)

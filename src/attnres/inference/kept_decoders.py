@@ -34,7 +34,8 @@ __all__ = ["KEPT_PER_MODEL", "borrowed_decoder", "release_decoders"]
 KEPT_PER_MODEL = 4
 #: The model attribute that holds its :class:`_KeptDecoders` (in its ``__dict__``, not a module).
 _ATTRIBUTE = "_attnres_kept_decoders"
-#: Borrowing and giving back from several threads (a server's): one decoder, one generation.
+#: Borrowing from several threads (a server's): one decoder, one generation. A give-back
+#: does not wait for it (:func:`_give_back`).
 _LOCK = threading.Lock()
 
 
@@ -45,9 +46,21 @@ class _KeptDecoders:
 
     def __init__(self) -> None:
         self.idle: OrderedDict[tuple, StaticDecoder] = OrderedDict()
+        #: ``(key, decoder)`` given back and not yet in ``idle`` (appended without the lock).
+        self.returned: list[tuple[tuple, StaticDecoder]] = []
 
     def __reduce__(self):
         return _KeptDecoders, ()
+
+    def settle(self) -> None:
+        """The decoders given back into ``idle``, the most recent last, and the least recently
+        used ones out past :data:`KEPT_PER_MODEL`; the caller holds :data:`_LOCK`."""
+        while self.returned:
+            key, decoder = self.returned.pop(0)
+            self.idle[key] = decoder
+            self.idle.move_to_end(key)
+        while len(self.idle) > KEPT_PER_MODEL:
+            self.idle.popitem(last=False)
 
 
 def _key(model, mode: str, batch_size: int, capacity: int) -> tuple:
@@ -79,6 +92,7 @@ def borrowed_decoder(model, batch_size: int, capacity: int, mode: str) -> Iterat
     key = _key(owner, mode, batch_size, capacity)
     with _LOCK:
         kept = _kept(owner)
+        kept.settle()
         for other in [k for k in kept.idle if k[3:5] != key[3:5]]:  # (the model moved: their caches are the old device's)
             del kept.idle[other]
         decoder = kept.idle.pop(key, None)
@@ -102,6 +116,7 @@ def _new_decoder(model, kept: _KeptDecoders, batch_size: int, capacity: int, mod
         return StaticDecoder(model, batch_size, capacity, mode=mode)
     except torch.OutOfMemoryError:
         with _LOCK:
+            kept.settle()
             if not kept.idle:
                 raise
             kept.idle.clear()
@@ -114,11 +129,16 @@ def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
     # caches and their graphs stayed in (GPU) memory until a collection. (A graph reads the
     # parameters by address: it goes with the model, the only way to it.)
     decoder.model = None
-    with _LOCK:
-        kept.idle[key] = decoder
-        kept.idle.move_to_end(key)
-        while len(kept.idle) > KEPT_PER_MODEL:
-            kept.idle.popitem(last=False)
+    # Appended without the lock: a stream in a reference cycle is closed by the garbage collector,
+    # which runs at whatever allocation comes next - under _LOCK too, in the thread holding it,
+    # where waiting for it hung that thread and every later borrow. Settled now if the lock is
+    # free, else by the next borrow (or release_decoders).
+    kept.returned.append((key, decoder))
+    if _LOCK.acquire(blocking=False):
+        try:
+            kept.settle()
+        finally:
+            _LOCK.release()
 
 
 def release_decoders(model) -> int:
@@ -130,6 +150,7 @@ def release_decoders(model) -> int:
         kept = vars(uncompiled(model)).get(_ATTRIBUTE)
         if not isinstance(kept, _KeptDecoders):
             return 0
+        kept.settle()
         freed = len(kept.idle)
         kept.idle.clear()
     return freed
