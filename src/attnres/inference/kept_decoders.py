@@ -3,17 +3,20 @@ generating again at a batch size and capacity it generated at reuses the decoder
 CUDA graph capture (``decode="graph"``, the default on CUDA) and no new compilation or
 re-recording of Inductor's CUDA graphs (``decode="compiled"``) per call.
 
-A capture costs more than its ``warmup + 1`` steps: ``torch.cuda.graph`` collects Python's
-garbage and empties the CUDA caching allocator before it records, so an evaluation loop
-that calls ``generate`` once per batch paid for that at every call, where the steps of a
-short generation cost less. A decoder holds a static KV cache of its capacity (GPU memory)
-until :func:`release_decoders` frees it, a newer one pushes it out (at most
-:data:`KEPT_PER_MODEL` are kept per model), or the model is freed.
+A capture costs more than its ``warmup + 1`` steps: ``torch.cuda.graph`` synchronizes the
+device and empties the CUDA caching allocator before it records (and collects Python's
+garbage with ``TORCH_CUDAGRAPH_GC=1``), so an evaluation loop that calls ``generate`` once
+per batch paid for that at every call, where the steps of a short generation cost less. A
+decoder holds a static KV cache of its capacity (GPU memory) until :func:`release_decoders`
+frees it, a newer one pushes it out (at most :data:`KEPT_PER_MODEL` are kept per model), or
+the model is freed (an idle decoder holds no reference to its model: no cycle).
 
 Each kept decoder serves one generation at a time: a stream borrows it (two streams of one
 model at once, or from two threads, each get their own) and gives it back when it ends, is
-closed or is collected. A model moved to another device or dtype (or generating under
-another autocast state, or in training mode) gets new decoders; the old ones are dropped.
+closed or is collected (dropped when it ends in an error: it may be mid-step). A model
+moved to another device or dtype gets new decoders, the old ones dropped at its next call;
+generating under another autocast state, or in training mode, gets decoders of its own
+beside them.
 """
 
 from __future__ import annotations
