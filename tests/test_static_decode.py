@@ -282,6 +282,32 @@ def test_compiled_decoder_past_the_recompile_limit_decodes_eagerly():
             assert torch.equal(got, want)
 
 
+@pytest.mark.slow
+def test_a_kept_compiled_decoder_past_the_recompile_limit_compiles_again_at_its_next_generation():
+    """``generate`` keeps its compiled decoders: one that ran the eager step past the
+    recompile limit ran it in every later generation, without a word, the limit raised
+    as its warning says or not. Each generation (``load``) tries the compiled step again:
+    past the limit it warns again, below it compiles."""
+    import warnings
+
+    from attnres.inference import kept_decoders
+
+    torch._dynamo.reset()
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids[:2], mask[:2], max_new_tokens=4, decode="dynamic")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        generate(model, ids, mask, max_new_tokens=4, decode="compiled")  # (the one graph the limit allows)
+        for _ in range(2):
+            with pytest.warns(RuntimeWarning, match=r"recompile limit"):
+                assert torch.equal(generate(model, ids[:2], mask[:2], max_new_tokens=4, decode="compiled"), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(generate(model, ids[:2], mask[:2], max_new_tokens=4, decode="compiled"), want)
+    decoders = vars(model)[kept_decoders._ATTRIBUTE].idle.values()
+    assert len(decoders) == 2 and all(d._compiled is not None for d in decoders)
+
+
 # -- the decoder's API ---------------------------------------------------------------------
 def test_a_decoder_is_freed_when_its_last_reference_goes():
     """A decoder of every mode frees its static cache when its last reference goes (``del``,

@@ -148,7 +148,7 @@ class StaticDecoder:
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
                 torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
-            self._compiled = _compiled_step("reduce-overhead" if cuda_graphs(self.device) else None)
+            self._compiled = self._compiled_step()
         if mode == "graph":
             self._capture()
 
@@ -171,6 +171,8 @@ class StaticDecoder:
             self._capture()
         self.cache.load_(cache, attention_mask)
         self.length = cache.seq_len
+        if self.mode == "compiled":  # (past the recompile limit, a generation ran eagerly: this one tries again)
+            self._compiled = self._compiled_step()
 
     def _check_prefilled(self, cache: KVCache) -> None:
         """Refuse a ``cache`` this decoder cannot take over: not a :class:`KVCache` (prefill's
@@ -225,10 +227,15 @@ class StaticDecoder:
                 return static_decode_step(self.model, self.cache, tokens)
             return self._run_compiled(self.model, self.cache, tokens)
 
+    def _compiled_step(self):
+        """The compiled step of this decoder's device (``mode="reduce-overhead"`` for CUDA graphs)."""
+        return _compiled_step("reduce-overhead" if cuda_graphs(self.device) else None)
+
     def _run_compiled(self, model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
         """The compiled step; past Dynamo's recompile limit (one graph per model class, dtype,
         batch size, capacity and grad mode, shared by every decoder: ``fullgraph=True`` makes
-        the limit an error) this decoder runs the eager step instead, with a warning."""
+        the limit an error) this decoder runs the eager step instead, with a warning, until its
+        next ``load`` tries the compiled step again (a kept decoder: the limit may have been raised)."""
         try:
             return self._compiled(model, cache, tokens)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs: the cache is as it was
