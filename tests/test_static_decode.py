@@ -308,6 +308,35 @@ def test_a_kept_compiled_decoder_past_the_recompile_limit_compiles_again_at_its_
     assert len(decoders) == 2 and all(d._compiled is not None for d in decoders)
 
 
+@pytest.mark.slow
+def test_a_kept_compiled_decoder_gives_each_call_its_dynamic_tokens_and_goes_with_its_model():
+    """``decode="compiled"`` keeps its decoder across calls: prompts of other lengths,
+    padding and text in one capacity bucket reuse it (stale slots, fill level and padding
+    of the call before replaced by ``load``), each with the dynamic cache's tokens, and
+    ``del model`` frees the model and it (Dynamo's cache holds neither)."""
+    import gc
+    import weakref
+
+    from attnres.inference import kept_decoders
+
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    for t, n, seed in ((9, 5, 1), (5, 9, 2), (7, 3, 3)):
+        ids, mask = ragged_prompts(t=t, seed=seed)
+        if seed == 3:
+            mask = None  # (no padding after padded rows: start back at slot 0)
+        want = generate(model, ids, mask, max_new_tokens=n, decode="dynamic")
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=n, decode="compiled"), want), (t, n)
+    (decoder,) = vars(model)[kept_decoders._ATTRIBUTE].idle.values()
+    refs = [weakref.ref(model), weakref.ref(decoder)]
+    del decoder
+    gc.disable()
+    try:
+        del model
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
 # -- the decoder's API ---------------------------------------------------------------------
 def test_a_decoder_is_freed_when_its_last_reference_goes():
     """A decoder of every mode frees its static cache when its last reference goes (``del``,
