@@ -536,7 +536,11 @@ def _saved(model, buffer):
 
 def test_kept_decoders_make_way_for_a_new_one(fake_cuda_graphs, built, monkeypatch):
     """At most ``KEPT_PER_MODEL`` decoders are kept (the least recently used goes first); a
-    new decoder that runs out of memory beside kept ones frees them and is built again."""
+    new decoder that runs out of memory beside kept ones frees them and is built again, once
+    what the failed build allocated is freed (a retry inside the ``except`` clause ran with the
+    error's traceback holding it)."""
+    import weakref
+
     from attnres.inference import kept_decoders
 
     monkeypatch.setattr(kept_decoders, "KEPT_PER_MODEL", 2)
@@ -545,11 +549,17 @@ def test_kept_decoders_make_way_for_a_new_one(fake_cuda_graphs, built, monkeypat
     for rows in (3, 2, 1, 3, 1, 2):
         generate(model, ids[:rows], mask[:rows], max_new_tokens=3)
     assert [rows for rows, _ in built] == [3, 2, 1, 3, 2]
-    counted = kept_decoders.StaticDecoder
+    counted, allocated = kept_decoders.StaticDecoder, []
 
     def short_of_memory(*args, **kwargs):
-        monkeypatch.setattr(kept_decoders, "StaticDecoder", counted)
+        buffer = torch.empty(8)  # (what the failed build allocated before it ran out)
+        allocated.append(weakref.ref(buffer))
+        monkeypatch.setattr(kept_decoders, "StaticDecoder", built_again)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    def built_again(*args, **kwargs):
+        assert allocated[0]() is None, "the failed build's memory is held through the retry"
+        return counted(*args, **kwargs)
 
     monkeypatch.setattr(kept_decoders, "StaticDecoder", short_of_memory)
     want = generate(model, ids, mask, max_new_tokens=3, decode="dynamic").tolist()

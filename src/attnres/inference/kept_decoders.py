@@ -123,7 +123,9 @@ def _new_decoder(model, kept: _KeptDecoders, batch_size: int, capacity: int, mod
             if not kept.idle:
                 raise
             kept.idle.clear()
-        return StaticDecoder(model, batch_size, capacity, mode=mode)
+    # (built again after the except clause: the error's traceback held what the failed build had
+    # allocated - a cache's first layers - through the retry)
+    return StaticDecoder(model, batch_size, capacity, mode=mode)
 
 
 def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
