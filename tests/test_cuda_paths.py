@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 from conftest import TRITON_DEVICE, make_model
-from test_static_decode import NOT_CAPTURABLE, ragged_prompts
+from test_static_decode import NOT_CAPTURABLE, assert_freed_with_its_kept_decoder, ragged_prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -593,25 +593,14 @@ def test_a_model_with_kept_decoders_is_freed_when_its_last_reference_goes(fake_c
     once, as it frees a model that never generated: a kept decoder that held its model made
     a cycle through the model's ``__dict__``, which only the garbage collector freed (GPU
     memory held until a collection). A decoder lent out again decodes with the model."""
-    import gc
-    import weakref
-
-    from attnres.inference import kept_decoders
-
     model = make_model(residual="attnres_block").eval()
     ids, mask = ragged_prompts()
     want = generate(model, ids, mask, max_new_tokens=4, decode="dynamic")
     for _ in range(2):
         assert torch.equal(generate(model, ids, mask, max_new_tokens=4), want)
-    (decoder,) = vars(model)[kept_decoders._ATTRIBUTE].idle.values()
-    refs = [weakref.ref(model), weakref.ref(decoder)]
-    del decoder
-    gc.disable()
-    try:
-        del model
-        assert [ref() for ref in refs] == [None, None]
-    finally:
-        gc.enable()
+    holder = [model]
+    del model
+    assert_freed_with_its_kept_decoder(holder)
 
 
 def test_a_decoder_interrupted_mid_step_is_not_kept(fake_cuda_graphs, built, monkeypatch):

@@ -42,6 +42,26 @@ def ragged_prompts(b: int = 3, t: int = 7, seed: int = 1):
     return ids, mask
 
 
+def assert_freed_with_its_kept_decoder(holder: list) -> None:
+    """The one model in ``holder`` and the one decoder ``generate`` keeps for it are freed
+    when ``holder`` lets the model go, the garbage collector off: no reference cycle holds
+    them (GPU memory held until a collection)."""
+    import gc
+    import weakref
+
+    from attnres.inference import kept_decoders
+
+    (decoder,) = vars(holder[0])[kept_decoders._ATTRIBUTE].idle.values()
+    refs = [weakref.ref(holder[0]), weakref.ref(decoder)]
+    del decoder
+    gc.disable()
+    try:
+        holder.clear()
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
 def dynamic_logits(model, ids, mask, tokens):
     """Prefill, then feed ``tokens [B, n]`` one column at a time over the growing cache:
     the logits after the prompt and after each token, ``[B, n + 1, vocab]``."""
@@ -314,11 +334,6 @@ def test_a_kept_compiled_decoder_gives_each_call_its_dynamic_tokens_and_goes_wit
     padding and text in one capacity bucket reuse it (stale slots, fill level and padding
     of the call before replaced by ``load``), each with the dynamic cache's tokens, and
     ``del model`` frees the model and it (Dynamo's cache holds neither)."""
-    import gc
-    import weakref
-
-    from attnres.inference import kept_decoders
-
     model = make_model(residual="attnres_block", n_layers=2).eval()
     for t, n, seed in ((9, 5, 1), (5, 9, 2), (7, 3, 3)):
         ids, mask = ragged_prompts(t=t, seed=seed)
@@ -326,15 +341,9 @@ def test_a_kept_compiled_decoder_gives_each_call_its_dynamic_tokens_and_goes_wit
             mask = None  # (no padding after padded rows: start back at slot 0)
         want = generate(model, ids, mask, max_new_tokens=n, decode="dynamic")
         assert torch.equal(generate(model, ids, mask, max_new_tokens=n, decode="compiled"), want), (t, n)
-    (decoder,) = vars(model)[kept_decoders._ATTRIBUTE].idle.values()
-    refs = [weakref.ref(model), weakref.ref(decoder)]
-    del decoder
-    gc.disable()
-    try:
-        del model
-        assert [ref() for ref in refs] == [None, None]
-    finally:
-        gc.enable()
+    holder = [model]
+    del model
+    assert_freed_with_its_kept_decoder(holder)
 
 
 # -- the decoder's API ---------------------------------------------------------------------
