@@ -502,7 +502,8 @@ def test_kept_decoders_follow_the_model_and_are_released(fake_cuda_graphs, built
     """A model cast to another dtype drops the decoders of the old one (a cache of the old
     dtype) and builds new ones; under autocast a graph of its own (a capture records the
     casts); ``release_decoders`` frees them (how many it freed), and the next call builds
-    again; a copy or pickle of the model takes none (a CUDA graph can be neither)."""
+    again, and refuses a wrapper of the model (DDP's: it freed nothing) or another object; a
+    copy or pickle of the model takes none (a CUDA graph can be neither)."""
     import copy
     import io
 
@@ -524,6 +525,13 @@ def test_kept_decoders_follow_the_model_and_are_released(fake_cuda_graphs, built
     assert torch.equal(generate(model, ids, mask, max_new_tokens=4), want)
     assert len(vars(model)[kept_decoders._ATTRIBUTE].idle) == 1  # (the float32 ones dropped)
     assert release_decoders(torch.compile(model)) == 1 and release_decoders(model) == 0
+    wrapper = torch.nn.Module()  # (a DDP or FSDP wrapper: the model is its .module)
+    wrapper.module = model
+    with pytest.raises(TypeError, match=r"release_decoders takes attnres's own model .*got the Module wrapper of one: "
+                                        r"give it Module's .module"):
+        release_decoders(wrapper)
+    with pytest.raises(TypeError, match=r"release_decoders takes attnres's own model \(an AttnResLM\); got NoneType"):
+        release_decoders(None)
     generate(model, ids, mask, max_new_tokens=4)
     assert built[-1] == built[-2] == (3, 128) and len(built) == 6
 

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..models.lm import require_attnres_lm
 from ..nn.compiled import uncompiled
 from .static import StaticDecoder
 
@@ -150,7 +151,9 @@ def release_decoders(model) -> int:
     """Free the static decoders that ``generate`` / ``stream`` keep for ``model`` (an
     ``AttnResLM``, compiled or not): their KV caches and CUDA graphs, GPU memory that
     ``torch.cuda.empty_cache()`` then returns. Returns how many were freed; one in use by a
-    running stream is kept when that stream ends."""
+    running stream is kept when that stream ends. Another object is a ``TypeError`` (a DDP or
+    FSDP wrapper named with its ``.module``, which generated: it returned 0, freeing nothing)."""
+    require_attnres_lm(model, "release_decoders")
     with _LOCK:
         kept = vars(uncompiled(model)).get(_ATTRIBUTE)
         if not isinstance(kept, _KeptDecoders):
