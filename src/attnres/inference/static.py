@@ -96,8 +96,10 @@ def _compiled_step(mode: str | None):
 class StaticDecoder:
     """Decoding at a fixed batch size and capacity over a :class:`StaticKVCache`.
 
-    ``model``: an ``AttnResLM`` in eval mode, decoding in the dtype of its parameters (the
-    Hugging Face model decodes through transformers' ``StaticCache`` instead).
+    ``model``: an ``AttnResLM`` in eval mode, decoding in the dtype of its parameters (under
+    ``torch.autocast``, autocast's, over a cache in the parameters' dtype; a graph captured
+    under it casts the weights at each replay) (the Hugging Face model decodes through
+    transformers' ``StaticCache`` instead).
     ``capacity``: the most positions the cache holds, prompt included (default: the model's
     ``max_seq_len``); every step attends over all of them (masked), so a tight capacity is
     faster. ``mode``:
