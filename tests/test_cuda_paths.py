@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 from conftest import TRITON_DEVICE, make_model
-from test_static_decode import NOT_CAPTURABLE, ragged_prompts
+from test_static_decode import NOT_CAPTURABLE, assert_freed_with_its_kept_decoder, ragged_prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -502,7 +502,8 @@ def test_kept_decoders_follow_the_model_and_are_released(fake_cuda_graphs, built
     """A model cast to another dtype drops the decoders of the old one (a cache of the old
     dtype) and builds new ones; under autocast a graph of its own (a capture records the
     casts); ``release_decoders`` frees them (how many it freed), and the next call builds
-    again; a copy or pickle of the model takes none (a CUDA graph can be neither)."""
+    again, and refuses a wrapper of the model (DDP's: it freed nothing) or another object; a
+    copy or pickle of the model takes none (a CUDA graph can be neither)."""
     import copy
     import io
 
@@ -524,6 +525,13 @@ def test_kept_decoders_follow_the_model_and_are_released(fake_cuda_graphs, built
     assert torch.equal(generate(model, ids, mask, max_new_tokens=4), want)
     assert len(vars(model)[kept_decoders._ATTRIBUTE].idle) == 1  # (the float32 ones dropped)
     assert release_decoders(torch.compile(model)) == 1 and release_decoders(model) == 0
+    wrapper = torch.nn.Module()  # (a DDP or FSDP wrapper: the model is its .module)
+    wrapper.module = model
+    with pytest.raises(TypeError, match=r"release_decoders takes attnres's own model .*got the Module wrapper of one: "
+                                        r"give it Module's .module"):
+        release_decoders(wrapper)
+    with pytest.raises(TypeError, match=r"release_decoders takes attnres's own model \(an AttnResLM\); got NoneType"):
+        release_decoders(None)
     generate(model, ids, mask, max_new_tokens=4)
     assert built[-1] == built[-2] == (3, 128) and len(built) == 6
 
@@ -536,7 +544,11 @@ def _saved(model, buffer):
 
 def test_kept_decoders_make_way_for_a_new_one(fake_cuda_graphs, built, monkeypatch):
     """At most ``KEPT_PER_MODEL`` decoders are kept (the least recently used goes first); a
-    new decoder that runs out of memory beside kept ones frees them and is built again."""
+    new decoder that runs out of memory beside kept ones frees them and is built again, once
+    what the failed build allocated is freed (a retry inside the ``except`` clause ran with the
+    error's traceback holding it)."""
+    import weakref
+
     from attnres.inference import kept_decoders
 
     monkeypatch.setattr(kept_decoders, "KEPT_PER_MODEL", 2)
@@ -545,13 +557,142 @@ def test_kept_decoders_make_way_for_a_new_one(fake_cuda_graphs, built, monkeypat
     for rows in (3, 2, 1, 3, 1, 2):
         generate(model, ids[:rows], mask[:rows], max_new_tokens=3)
     assert [rows for rows, _ in built] == [3, 2, 1, 3, 2]
-    counted = kept_decoders.StaticDecoder
+    counted, allocated = kept_decoders.StaticDecoder, []
 
     def short_of_memory(*args, **kwargs):
-        monkeypatch.setattr(kept_decoders, "StaticDecoder", counted)
+        buffer = torch.empty(8)  # (what the failed build allocated before it ran out)
+        allocated.append(weakref.ref(buffer))
+        monkeypatch.setattr(kept_decoders, "StaticDecoder", built_again)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    def built_again(*args, **kwargs):
+        assert allocated[0]() is None, "the failed build's memory is held through the retry"
+        return counted(*args, **kwargs)
 
     monkeypatch.setattr(kept_decoders, "StaticDecoder", short_of_memory)
     want = generate(model, ids, mask, max_new_tokens=3, decode="dynamic").tolist()
     assert generate(model, ids, mask, max_new_tokens=3).tolist() == want
     assert list(vars(model)[kept_decoders._ATTRIBUTE].idle) and len(built) == 6
+
+
+def test_a_graph_kept_from_an_autocast_block_casts_the_weights_of_each_step(fake_cuda_graphs):
+    """A graph captured under ``torch.autocast`` and kept for a later call: a capture that
+    read autocast's cache of cast weights recorded no cast, only the cached copies, which
+    autocast frees when its block ends (on a GPU the next call's replays read freed memory;
+    here the copies of the capture's time: the weights updated in place since were not
+    seen, the tokens were the old weights'). The capture casts without that cache."""
+    model = make_model(residual="attnres_block").eval()
+    other = dict(make_model(residual="attnres_block", seed=5).named_parameters())
+    ids, mask = ragged_prompts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        generate(model, ids, mask, max_new_tokens=6)
+    with torch.no_grad():  # (the AttnRes queries left alone: new folded queries capture again)
+        for name, p in model.named_parameters():
+            if not name.startswith("residual."):
+                p.copy_(other[name])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
+    assert fake_cuda_graphs.count("capture") == 1
+
+
+def test_a_model_with_kept_decoders_is_freed_when_its_last_reference_goes(fake_cuda_graphs):
+    """``del model`` frees the model and its kept decoders (their caches and graphs) at
+    once, as it frees a model that never generated: a kept decoder that held its model made
+    a cycle through the model's ``__dict__``, which only the garbage collector freed (GPU
+    memory held until a collection). A decoder lent out again decodes with the model."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=4, decode="dynamic")
+    for _ in range(2):
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=4), want)
+    holder = [model]
+    del model
+    assert_freed_with_its_kept_decoder(holder)
+
+
+def test_a_decoder_interrupted_mid_step_is_not_kept(fake_cuda_graphs, built, monkeypatch):
+    """A ``KeyboardInterrupt`` (or any error) inside a step leaves the decoder mid-step:
+    it is dropped, not kept, and the next call builds another that gives the dynamic
+    tokens; an error of the caller's between steps (the stream then closed) keeps it."""
+    from attnres.inference import stream
+
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+    step = StaticDecoder.step
+
+    def interrupted(self, tokens):
+        step(self, tokens)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StaticDecoder, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, ids, mask, max_new_tokens=6)
+    monkeypatch.setattr(StaticDecoder, "step", step)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want) and len(built) == 2
+    with pytest.raises(ZeroDivisionError):
+        for i, _ in enumerate(stream(model, ids, mask, max_new_tokens=6)):
+            i / (2 - i)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want) and len(built) == 2
+
+
+def test_a_kept_graph_follows_the_models_weights(fake_cuda_graphs):
+    """The kept graph of a model whose weights were replaced (``load_state_dict(...,
+    assign=True)``: new addresses), whose AttnRes queries were updated in place (new folded
+    queries), or that was trained and put back in eval mode: every call gives the dynamic
+    tokens of the weights it has then."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+
+    def same_tokens():
+        want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
+
+    same_tokens()
+    model.load_state_dict(make_model(residual="attnres_block", seed=3).state_dict(), assign=True)
+    same_tokens()
+    with torch.no_grad():
+        model.residual.mixers[1].query.mul_(-2)
+    same_tokens()
+    model.train()
+    with torch.no_grad():
+        model.lm_head.weight.data *= 1.5
+    model.eval()
+    same_tokens()
+    assert fake_cuda_graphs.count("capture") == 4  # (train() and eval() drop the folded queries: new ones)
+
+
+def test_a_stream_collected_under_the_kept_decoders_lock_gives_its_decoder_back(fake_cuda_graphs, built, monkeypatch):
+    """An abandoned stream in a reference cycle is closed by the garbage collector, which
+    runs at whatever allocation comes next - in the thread that holds the kept decoders'
+    lock, too: its give-back waited for that lock, which the same thread held (the thread,
+    and every later generate of the process, hung). A give-back takes no lock; the decoder
+    is kept at the next borrow."""
+    import gc
+    import threading
+
+    from attnres.inference import kept_decoders, stream
+
+    monkeypatch.setattr(kept_decoders, "_LOCK", threading.Lock())  # (a hang holds this one only)
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+    abandoned = stream(model, ids, mask, max_new_tokens=6)
+    next(abandoned)
+    cycle = [abandoned]
+    cycle.append(cycle)
+    del abandoned, cycle
+    kept = kept_decoders._kept
+
+    def collecting(owner):  # (under the lock: a collection an allocation there would start)
+        gc.collect()
+        return kept(owner)
+
+    monkeypatch.setattr(kept_decoders, "_kept", collecting)
+    got = []
+    worker = threading.Thread(target=lambda: got.append(generate(model, ids, mask, max_new_tokens=6)), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert got and torch.equal(got[0], want)
+    assert len(built) == 1  # (the abandoned stream's decoder, given back during the collection)

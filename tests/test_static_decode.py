@@ -42,6 +42,26 @@ def ragged_prompts(b: int = 3, t: int = 7, seed: int = 1):
     return ids, mask
 
 
+def assert_freed_with_its_kept_decoder(holder: list) -> None:
+    """The one model in ``holder`` and the one decoder ``generate`` keeps for it are freed
+    when ``holder`` lets the model go, the garbage collector off: no reference cycle holds
+    them (GPU memory held until a collection)."""
+    import gc
+    import weakref
+
+    from attnres.inference import kept_decoders
+
+    (decoder,) = vars(holder[0])[kept_decoders._ATTRIBUTE].idle.values()
+    refs = [weakref.ref(holder[0]), weakref.ref(decoder)]
+    del decoder
+    gc.disable()
+    try:
+        holder.clear()
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
 def dynamic_logits(model, ids, mask, tokens):
     """Prefill, then feed ``tokens [B, n]`` one column at a time over the growing cache:
     the logits after the prompt and after each token, ``[B, n + 1, vocab]``."""
@@ -282,7 +302,71 @@ def test_compiled_decoder_past_the_recompile_limit_decodes_eagerly():
             assert torch.equal(got, want)
 
 
+@pytest.mark.slow
+def test_a_kept_compiled_decoder_past_the_recompile_limit_compiles_again_at_its_next_generation():
+    """``generate`` keeps its compiled decoders: one that ran the eager step past the
+    recompile limit ran it in every later generation, without a word, the limit raised
+    as its warning says or not. Each generation (``load``) tries the compiled step again:
+    past the limit it warns again, below it compiles."""
+    import warnings
+
+    from attnres.inference import kept_decoders
+
+    torch._dynamo.reset()
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids[:2], mask[:2], max_new_tokens=4, decode="dynamic")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        generate(model, ids, mask, max_new_tokens=4, decode="compiled")  # (the one graph the limit allows)
+        for _ in range(2):
+            with pytest.warns(RuntimeWarning, match=r"recompile limit"):
+                assert torch.equal(generate(model, ids[:2], mask[:2], max_new_tokens=4, decode="compiled"), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(generate(model, ids[:2], mask[:2], max_new_tokens=4, decode="compiled"), want)
+    decoders = vars(model)[kept_decoders._ATTRIBUTE].idle.values()
+    assert len(decoders) == 2 and all(d._compiled is not None for d in decoders)
+
+
+@pytest.mark.slow
+def test_a_kept_compiled_decoder_gives_each_call_its_dynamic_tokens_and_goes_with_its_model():
+    """``decode="compiled"`` keeps its decoder across calls: prompts of other lengths,
+    padding and text in one capacity bucket reuse it (stale slots, fill level and padding
+    of the call before replaced by ``load``), each with the dynamic cache's tokens, and
+    ``del model`` frees the model and it (Dynamo's cache holds neither)."""
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    for t, n, seed in ((9, 5, 1), (5, 9, 2), (7, 3, 3)):
+        ids, mask = ragged_prompts(t=t, seed=seed)
+        if seed == 3:
+            mask = None  # (no padding after padded rows: start back at slot 0)
+        want = generate(model, ids, mask, max_new_tokens=n, decode="dynamic")
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=n, decode="compiled"), want), (t, n)
+    holder = [model]
+    del model
+    assert_freed_with_its_kept_decoder(holder)
+
+
 # -- the decoder's API ---------------------------------------------------------------------
+def test_a_decoder_is_freed_when_its_last_reference_goes():
+    """A decoder of every mode frees its static cache when its last reference goes (``del``,
+    ``release_decoders`` of the ones ``generate`` keeps), without a garbage collection: the
+    compiled one held its bound ``_run_compiled`` - a cycle through itself, its cache held in
+    (GPU) memory until a collection."""
+    import gc
+    import weakref
+
+    model = make_model(residual="attnres_block").eval()
+    for mode in ("eager", "compiled"):
+        decoder = StaticDecoder(model, 2, capacity=16, mode=mode)
+        refs = [weakref.ref(decoder), weakref.ref(decoder.cache.k[0])]
+        gc.disable()
+        try:
+            del decoder
+            assert [ref() for ref in refs] == [None, None], mode
+        finally:
+            gc.enable()
+
+
 def test_decoder_decodes_greedily_and_rewinds():
     """``decode(tokens, n)`` is ``n`` greedy steps; ``rewind`` returns to a context length
     (how a benchmark decodes at a fixed context) and decodes the same again."""

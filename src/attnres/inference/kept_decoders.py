@@ -3,17 +3,20 @@ generating again at a batch size and capacity it generated at reuses the decoder
 CUDA graph capture (``decode="graph"``, the default on CUDA) and no new compilation or
 re-recording of Inductor's CUDA graphs (``decode="compiled"``) per call.
 
-A capture costs more than its ``warmup + 1`` steps: ``torch.cuda.graph`` collects Python's
-garbage and empties the CUDA caching allocator before it records, so an evaluation loop
-that calls ``generate`` once per batch paid for that at every call, where the steps of a
-short generation cost less. A decoder holds a static KV cache of its capacity (GPU memory)
-until :func:`release_decoders` frees it, a newer one pushes it out (at most
-:data:`KEPT_PER_MODEL` are kept per model), or the model is freed.
+A capture costs more than its ``warmup + 1`` steps: ``torch.cuda.graph`` synchronizes the
+device and empties the CUDA caching allocator before it records (and collects Python's
+garbage with ``TORCH_CUDAGRAPH_GC=1``), so an evaluation loop that calls ``generate`` once
+per batch paid for that at every call, where the steps of a short generation cost less. A
+decoder holds a static KV cache of its capacity (GPU memory) until :func:`release_decoders`
+frees it, a newer one pushes it out (at most :data:`KEPT_PER_MODEL` are kept per model), or
+the model is freed (an idle decoder holds no reference to its model: no cycle).
 
 Each kept decoder serves one generation at a time: a stream borrows it (two streams of one
 model at once, or from two threads, each get their own) and gives it back when it ends, is
-closed or is collected. A model moved to another device or dtype (or generating under
-another autocast state, or in training mode) gets new decoders; the old ones are dropped.
+closed or is collected (dropped when it ends in an error: it may be mid-step). A model
+moved to another device or dtype gets new decoders, the old ones dropped at its next call;
+generating under another autocast state, or in training mode, gets decoders of its own
+beside them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..models.lm import require_attnres_lm
 from ..nn.compiled import uncompiled
 from .static import StaticDecoder
 
@@ -34,7 +38,8 @@ __all__ = ["KEPT_PER_MODEL", "borrowed_decoder", "release_decoders"]
 KEPT_PER_MODEL = 4
 #: The model attribute that holds its :class:`_KeptDecoders` (in its ``__dict__``, not a module).
 _ATTRIBUTE = "_attnres_kept_decoders"
-#: Borrowing and giving back from several threads (a server's): one decoder, one generation.
+#: Borrowing from several threads (a server's): one decoder, one generation. A give-back
+#: does not wait for it (:func:`_give_back`).
 _LOCK = threading.Lock()
 
 
@@ -45,9 +50,21 @@ class _KeptDecoders:
 
     def __init__(self) -> None:
         self.idle: OrderedDict[tuple, StaticDecoder] = OrderedDict()
+        #: ``(key, decoder)`` given back and not yet in ``idle`` (appended without the lock).
+        self.returned: list[tuple[tuple, StaticDecoder]] = []
 
     def __reduce__(self):
         return _KeptDecoders, ()
+
+    def settle(self) -> None:
+        """The decoders given back into ``idle``, the most recent last, and the least recently
+        used ones out past :data:`KEPT_PER_MODEL`; the caller holds :data:`_LOCK`."""
+        while self.returned:
+            key, decoder = self.returned.pop(0)
+            self.idle[key] = decoder
+            self.idle.move_to_end(key)
+        while len(self.idle) > KEPT_PER_MODEL:
+            self.idle.popitem(last=False)
 
 
 def _key(model, mode: str, batch_size: int, capacity: int) -> tuple:
@@ -79,11 +96,14 @@ def borrowed_decoder(model, batch_size: int, capacity: int, mode: str) -> Iterat
     key = _key(owner, mode, batch_size, capacity)
     with _LOCK:
         kept = _kept(owner)
+        kept.settle()
         for other in [k for k in kept.idle if k[3:5] != key[3:5]]:  # (the model moved: their caches are the old device's)
             del kept.idle[other]
         decoder = kept.idle.pop(key, None)
     if decoder is None:
         decoder = _new_decoder(model, kept, batch_size, capacity, mode)
+    else:
+        decoder.model = model  # (an idle one holds none: _give_back)
     try:
         yield decoder
     except GeneratorExit:  # (a stream closed early, or collected: the decoder is between steps)
@@ -100,29 +120,45 @@ def _new_decoder(model, kept: _KeptDecoders, batch_size: int, capacity: int, mod
         return StaticDecoder(model, batch_size, capacity, mode=mode)
     except torch.OutOfMemoryError:
         with _LOCK:
+            kept.settle()
             if not kept.idle:
                 raise
             kept.idle.clear()
-        return StaticDecoder(model, batch_size, capacity, mode=mode)
+    # (built again after the except clause: the error's traceback held what the failed build had
+    # allocated - a cache's first layers - through the retry)
+    return StaticDecoder(model, batch_size, capacity, mode=mode)
 
 
 def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
-    with _LOCK:
-        kept.idle[key] = decoder
-        kept.idle.move_to_end(key)
-        while len(kept.idle) > KEPT_PER_MODEL:
-            kept.idle.popitem(last=False)
+    # An idle decoder holds no model: the model's __dict__ holds the decoder, whose reference back
+    # made a cycle that only the garbage collector frees - after `del model` its weights, the kept
+    # caches and their graphs stayed in (GPU) memory until a collection. (A graph reads the
+    # parameters by address: it goes with the model, the only way to it.)
+    decoder.model = None
+    # Appended without the lock: a stream in a reference cycle is closed by the garbage collector,
+    # which runs at whatever allocation comes next - under _LOCK too, in the thread holding it,
+    # where waiting for it hung that thread and every later borrow. Settled now if the lock is
+    # free, else by the next borrow (or release_decoders).
+    kept.returned.append((key, decoder))
+    if _LOCK.acquire(blocking=False):
+        try:
+            kept.settle()
+        finally:
+            _LOCK.release()
 
 
 def release_decoders(model) -> int:
     """Free the static decoders that ``generate`` / ``stream`` keep for ``model`` (an
     ``AttnResLM``, compiled or not): their KV caches and CUDA graphs, GPU memory that
     ``torch.cuda.empty_cache()`` then returns. Returns how many were freed; one in use by a
-    running stream is kept when that stream ends."""
+    running stream is kept when that stream ends. Another object is a ``TypeError`` (a DDP or
+    FSDP wrapper named with its ``.module``, which generated: it returned 0, freeing nothing)."""
+    require_attnres_lm(model, "release_decoders")
     with _LOCK:
         kept = vars(uncompiled(model)).get(_ATTRIBUTE)
         if not isinstance(kept, _KeptDecoders):
             return 0
+        kept.settle()
         freed = len(kept.idle)
         kept.idle.clear()
     return freed

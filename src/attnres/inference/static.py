@@ -19,6 +19,8 @@ model's ordinary decoder pass on the new token; only self-attention reads the ca
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -94,8 +96,10 @@ def _compiled_step(mode: str | None):
 class StaticDecoder:
     """Decoding at a fixed batch size and capacity over a :class:`StaticKVCache`.
 
-    ``model``: an ``AttnResLM`` in eval mode, decoding in the dtype of its parameters (the
-    Hugging Face model decodes through transformers' ``StaticCache`` instead).
+    ``model``: an ``AttnResLM`` in eval mode, decoding in the dtype of its parameters (under
+    ``torch.autocast``, autocast's, over a cache in the parameters' dtype; a graph captured
+    under it casts the weights at each replay) (the Hugging Face model decodes through
+    transformers' ``StaticCache`` instead).
     ``capacity``: the most positions the cache holds, prompt included (default: the model's
     ``max_seq_len``); every step attends over all of them (masked), so a tight capacity is
     faster. ``mode``:
@@ -140,13 +144,13 @@ class StaticDecoder:
                              "their first workspaces")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
         self._graph = self._logits = self._captured_with = None
+        # (the compiled step, None for the eager one: not the bound self._run_compiled, a cycle through the
+        # decoder that kept its cache in memory, after release_decoders or the last reference, until a collection)
+        self._compiled = None
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
                 torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
-            self._compiled = _compiled_step("reduce-overhead" if cuda_graphs(self.device) else None)
-            self._run = self._run_compiled
-        else:
-            self._run = static_decode_step
+            self._compiled = self._compiled_step()
         if mode == "graph":
             self._capture()
 
@@ -169,6 +173,8 @@ class StaticDecoder:
             self._capture()
         self.cache.load_(cache, attention_mask)
         self.length = cache.seq_len
+        if self.mode == "compiled":  # (past the recompile limit, a generation ran eagerly: this one tries again)
+            self._compiled = self._compiled_step()
 
     def _check_prefilled(self, cache: KVCache) -> None:
         """Refuse a ``cache`` this decoder cannot take over: not a :class:`KVCache` (prefill's
@@ -219,12 +225,19 @@ class StaticDecoder:
         with torch.no_grad():
             if self.mode == "compiled" and cuda_graphs(self.device):
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
-            return self._run(self.model, self.cache, tokens)
+            if self._compiled is None:
+                return static_decode_step(self.model, self.cache, tokens)
+            return self._run_compiled(self.model, self.cache, tokens)
+
+    def _compiled_step(self):
+        """The compiled step of this decoder's device (``mode="reduce-overhead"`` for CUDA graphs)."""
+        return _compiled_step("reduce-overhead" if cuda_graphs(self.device) else None)
 
     def _run_compiled(self, model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
         """The compiled step; past Dynamo's recompile limit (one graph per model class, dtype,
         batch size, capacity and grad mode, shared by every decoder: ``fullgraph=True`` makes
-        the limit an error) this decoder runs the eager step instead, with a warning."""
+        the limit an error) this decoder runs the eager step instead, with a warning, until its
+        next ``load`` tries the compiled step again (a kept decoder: the limit may have been raised)."""
         try:
             return self._compiled(model, cache, tokens)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs: the cache is as it was
@@ -233,7 +246,7 @@ class StaticDecoder:
                       "decode step - one graph per model class, dtype, batch size, capacity and grad mode - so "
                       "this generation decodes eagerly; raise the limit, or use decode='static'",
                       RuntimeWarning)
-            self._run = static_decode_step
+            self._compiled = None
             return static_decode_step(model, cache, tokens)
 
     def decode(self, tokens: Tensor, n: int) -> Tensor:
@@ -274,8 +287,9 @@ class StaticDecoder:
         """Warm up (kernels compiled, workspaces allocated) on a side stream, each step on the
         empty cache, then record one step into a CUDA graph; the cache is left empty. On the model's device made
         current: ``torch.cuda.graph`` captures a stream of the current device, which the
-        step's operations on another device (a model on ``cuda:1``) would not run on."""
-        with torch.cuda.device(self.device):
+        step's operations on another device (a model on ``cuda:1``) would not run on. Under
+        ``torch.autocast`` without autocast's cache of cast weights (:func:`_uncached_autocast`)."""
+        with torch.cuda.device(self.device), _uncached_autocast(self.device.type):
             self._record()
 
     def _record(self) -> None:
@@ -297,3 +311,16 @@ class StaticDecoder:
         # (capture records the kernels without running them: the cache is still empty)
         self._captured_with = self._weights()
         self.length = 0
+
+
+def _uncached_autocast(device_type: str):
+    """Autocast as it is, without its cache of cast weights, while a graph is captured under
+    it: a capture reading that cache records no cast, only the cached copies' addresses -
+    copies that autocast frees when its block ends, so a graph kept for a later call
+    (``generate`` keeps them) read freed memory there, and on the CPU's fake graphs the weights
+    of the capture's time (an in-place update of a weight was not seen). Without the cache
+    the graph casts the weights at each replay, as ``torch.cuda.make_graphed_callables``
+    requires (``cache_enabled=False``)."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
