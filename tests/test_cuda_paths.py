@@ -100,11 +100,19 @@ def _bound(real, fake):
     return call
 
 
+class _Log(list):
+    """The captures and replays in order; ``events``: the CUDA events recorded and waited on."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+
 @pytest.fixture
 def fake_cuda_graphs(monkeypatch):
     """CUDA graphs on the CPU: ``cuda_graphs`` says yes, the CUDA calls the graphed decoder
     makes faked (bound against torch's signatures). Returns the log of captures and replays."""
-    log = []
+    log = _Log()
 
     class Stream:
         def __init__(self, device=None, priority=0, **kwargs):
@@ -112,6 +120,16 @@ def fake_cuda_graphs(monkeypatch):
 
         def wait_stream(self, stream):
             pass
+
+        def wait_event(self, event):
+            log.events.append(("wait", event))
+
+    class Event:
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+            pass
+
+        def record(self, stream=None):
+            log.events.append(("record", self))
 
     class CUDAGraph:
         def __init__(self, keep_graph=False):
@@ -136,7 +154,7 @@ def fake_cuda_graphs(monkeypatch):
     fakes = {"device": _bound(real.device, lambda device: contextlib.nullcontext()),
              "current_stream": _bound(real.current_stream, lambda device=None: Stream()),
              "Stream": Stream, "stream": _bound(real.stream, lambda stream: contextlib.nullcontext()),
-             "CUDAGraph": CUDAGraph, "graph": _bound(real.graph, graph)}
+             "CUDAGraph": CUDAGraph, "graph": _bound(real.graph, graph), "Event": Event}
     for name, value in fakes.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(static, "cuda_graphs", lambda device: True)
@@ -296,6 +314,9 @@ def test_compiled_decode_on_cuda_compiles_for_cuda_graphs_and_marks_each_step(mo
     monkeypatch.setattr(static_module, "cuda_graphs", lambda device: True)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin",
                         _bound(torch.compiler.cudagraph_mark_step_begin, lambda: marks.append(1)))
+    queued = []  # (the event a kept decoder's give-back records on CUDA: kept_decoders._steps_queued)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda self, stream: queued.append(1)})())
+    monkeypatch.setattr(torch.cuda, "current_stream", _bound(torch.cuda.current_stream, lambda device=None: None))
     monkeypatch.setattr(static_module, "_COMPILED", {})
     model = make_model(residual="attnres_block", n_layers=2).eval()
     ids, mask = ragged_prompts()
@@ -304,7 +325,7 @@ def test_compiled_decode_on_cuda_compiles_for_cuda_graphs_and_marks_each_step(mo
         want = generate(model, ids[:rows], mask[:rows], max_new_tokens=5, decode="static")
         assert torch.equal(generate(model, ids[:rows], mask[:rows], max_new_tokens=5, decode="compiled"), want)
         assert len(marks) == 4
-    assert list(static_module._COMPILED) == ["reduce-overhead"]
+    assert list(static_module._COMPILED) == ["reduce-overhead"] and len(queued) == 2
 
 
 def test_a_cuda_out_of_memory_is_told_in_words():
@@ -696,3 +717,23 @@ def test_a_stream_collected_under_the_kept_decoders_lock_gives_its_decoder_back(
     worker.join(timeout=30)
     assert got and torch.equal(got[0], want)
     assert len(built) == 1  # (the abandoned stream's decoder, given back during the collection)
+
+
+def test_a_decoder_given_back_mid_stream_is_waited_for_on_the_next_borrowers_cuda_stream(fake_cuda_graphs):
+    """A stream closed early gives its decoder back with its next step queued on the GPU; a
+    borrower on another CUDA stream (another thread's) would load the cache that step still
+    reads. The give-back records an event after the queued steps, and the next borrow waits
+    on it on its current stream, before loading; tokens as the dynamic cache's."""
+    from attnres.inference import stream
+
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    early = stream(model, ids, mask, max_new_tokens=6)
+    next(early), next(early)
+    early.close()
+    [(what, given_back)] = fake_cuda_graphs.events
+    assert what == "record"
+    want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
+    assert fake_cuda_graphs.events[1] == ("wait", given_back) and fake_cuda_graphs.events[2][0] == "record"
+    assert fake_cuda_graphs.count("capture") == 1

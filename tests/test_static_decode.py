@@ -51,7 +51,7 @@ def assert_freed_with_its_kept_decoder(holder: list) -> None:
 
     from attnres.inference import kept_decoders
 
-    (decoder,) = vars(holder[0])[kept_decoders._ATTRIBUTE].idle.values()
+    ((decoder, _),) = vars(holder[0])[kept_decoders._ATTRIBUTE].idle.values()  # (with its CUDA event, None here)
     refs = [weakref.ref(holder[0]), weakref.ref(decoder)]
     del decoder
     gc.disable()
@@ -324,7 +324,7 @@ def test_a_kept_compiled_decoder_past_the_recompile_limit_compiles_again_at_its_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(generate(model, ids[:2], mask[:2], max_new_tokens=4, decode="compiled"), want)
-    decoders = vars(model)[kept_decoders._ATTRIBUTE].idle.values()
+    decoders = [decoder for decoder, _ in vars(model)[kept_decoders._ATTRIBUTE].idle.values()]
     assert len(decoders) == 2 and all(d._compiled is not None for d in decoders)
 
 

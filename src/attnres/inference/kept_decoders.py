@@ -25,11 +25,13 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from ..models.lm import require_attnres_lm
 from ..nn.compiled import uncompiled
+from . import static as _static  # (its cuda_graphs looked up at each call: the tests replace it)
 from .static import StaticDecoder
 
 __all__ = ["KEPT_PER_MODEL", "borrowed_decoder", "release_decoders"]
@@ -49,9 +51,10 @@ class _KeptDecoders:
     can be neither copied nor pickled, and its cache belongs to the model it was made for."""
 
     def __init__(self) -> None:
-        self.idle: OrderedDict[tuple, StaticDecoder] = OrderedDict()
-        #: ``(key, decoder)`` given back and not yet in ``idle`` (appended without the lock).
-        self.returned: list[tuple[tuple, StaticDecoder]] = []
+        #: Each decoder with the CUDA event of its last step's stream (``None`` off CUDA).
+        self.idle: OrderedDict[tuple, tuple[StaticDecoder, Any]] = OrderedDict()
+        #: ``(key, (decoder, event))`` given back and not yet in ``idle`` (appended without the lock).
+        self.returned: list[tuple[tuple, tuple[StaticDecoder, Any]]] = []
 
     def __reduce__(self):
         return _KeptDecoders, ()
@@ -60,8 +63,8 @@ class _KeptDecoders:
         """The decoders given back into ``idle``, the most recent last, and the least recently
         used ones out past :data:`KEPT_PER_MODEL`; the caller holds :data:`_LOCK`."""
         while self.returned:
-            key, decoder = self.returned.pop(0)
-            self.idle[key] = decoder
+            key, entry = self.returned.pop(0)
+            self.idle[key] = entry
             self.idle.move_to_end(key)
         while len(self.idle) > KEPT_PER_MODEL:
             self.idle.popitem(last=False)
@@ -99,11 +102,14 @@ def borrowed_decoder(model, batch_size: int, capacity: int, mode: str) -> Iterat
         kept.settle()
         for other in [k for k in kept.idle if k[3:5] != key[3:5]]:  # (the model moved: their caches are the old device's)
             del kept.idle[other]
-        decoder = kept.idle.pop(key, None)
+        decoder, done = kept.idle.pop(key, (None, None))
     if decoder is None:
         decoder = _new_decoder(model, kept, batch_size, capacity, mode)
     else:
         decoder.model = model  # (an idle one holds none: _give_back)
+        if done is not None:  # (a stream closed early left its next step queued: on another CUDA stream,
+            # this thread's, the load would overwrite the cache that step reads)
+            torch.cuda.current_stream(decoder.device).wait_event(done)
     try:
         yield decoder
     except GeneratorExit:  # (a stream closed early, or collected: the decoder is between steps)
@@ -139,12 +145,23 @@ def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
     # which runs at whatever allocation comes next - under _LOCK too, in the thread holding it,
     # where waiting for it hung that thread and every later borrow. Settled now if the lock is
     # free, else by the next borrow (or release_decoders).
-    kept.returned.append((key, decoder))
+    kept.returned.append((key, (decoder, _steps_queued(decoder))))
     if _LOCK.acquire(blocking=False):
         try:
             kept.settle()
         finally:
             _LOCK.release()
+
+
+def _steps_queued(decoder: StaticDecoder):
+    """On CUDA, an event recorded after the steps queued on the current stream (the last one
+    of a stream closed early may still run), for the next borrower to wait on; ``None`` off
+    CUDA."""
+    if not _static.cuda_graphs(decoder.device):
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(decoder.device))
+    return event
 
 
 def release_decoders(model) -> int:
