@@ -62,14 +62,14 @@ HELD_OUT_FIELD_ADVICE = ("the field read is the one the run trained on (its data
                          "transformers directory): give records holding it, or the text as a plain-text file")
 
 
-def json_lines_text(path: str | Path, what: str, text_field: str = "text", advice: str = HELD_OUT_FIELD_ADVICE) -> str:
+def json_lines_text(path: str | Path, what: str, text_field: str = "text") -> str:
     """The text of the ``.jsonl`` file ``path`` as training reads it: its records'
     ``text_field`` joined by :data:`DOCUMENT_SEPARATOR` (its JSON syntax is no text: held-out
     JSON lines read whole scored a model on braces, quotes and field names). ``ValueError``
-    naming it as ``what``, and saying ``advice`` for a record without the field."""
+    naming it as ``what``, and saying :data:`HELD_OUT_FIELD_ADVICE` for a record without the field."""
     path = Path(path)
     try:
-        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field, advice))
+        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field, HELD_OUT_FIELD_ADVICE))
     except UnicodeDecodeError:
         raise _not_utf8(what, path) from None
     except ValueError as e:  # (a line that is not JSON, or has no string text_field: where, by line)
