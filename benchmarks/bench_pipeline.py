@@ -8,7 +8,7 @@ report §4.1's formulas apply exactly: naive ``C (C - 1) / 2 N_p``, cached
 ``P (P - 1) / 2 N_p + (V - 1) P^2 N_p`` blocks per micro-batch.
 
 Compared, on the same weights, both on ``torch.distributed.pipelining``'s
-``ScheduleInterleaved1F1B`` (the project's own point-to-point executor is retired): ``naive``
+``ScheduleInterleaved1F1B``: ``naive``
 (every transition carries the whole history) and ``cached`` (the cross-stage cache adapter:
 ``CachedStage`` keeps received blocks and deposits their gradients). Every rank runs one thread. After two warm-up steps the modes are
 timed **interleaved** (one step of each per round, a barrier before each step); we report

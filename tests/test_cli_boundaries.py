@@ -1045,6 +1045,15 @@ def test_a_distribution_that_also_installs_attnres_is_named(tmp_path):
     assert "pip uninstall fast-attnres attnres" in command
 
 
+def test_the_clash_check_reads_every_distribution_s_file_list(tmp_path, monkeypatch):
+    """Not only the known clashes: a distribution of any name whose files include a top-level
+    ``attnres`` (the check had a fast mode, the known names alone, that no caller used)."""
+    from attnres.name_clash import clashing_distributions
+
+    monkeypatch.syspath_prepend(str(_fake_distribution(tmp_path, "attnres-fork", "0.3")))
+    assert clashing_distributions() == {"attnres-fork": "0.3"}
+
+
 def test_a_checkpoint_without_its_optimizer_state_generates_and_exports(run_dir, tmp_path, capsys):
     """Using a model needs no optimiser state; resuming does, and still refuses."""
     import shutil

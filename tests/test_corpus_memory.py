@@ -18,7 +18,6 @@ import pytest
 from attnres.data import corpus as corpus_mod
 from attnres.data import dataset as dataset_mod
 from attnres.data import load_corpus, prepare_data
-from attnres.data.corpus import corpus_digest
 from attnres.data.tokenizer import ByteTokenizer, bpe_available, text_chunks, train_bpe
 
 LINE = "the quick brown fox jumps over the lazy dog, and the mill turns on; {}\n"
@@ -374,10 +373,3 @@ def test_a_cache_miss_holds_no_copy_of_the_corpus(tmp_path, monkeypatch):
     assert peak < 0.2 * size, f"{peak / size:.2f}x the corpus"
     assert math.isclose(len(corpus.val) / size, 0.02, rel_tol=0.2)
 
-
-def test_the_digest_is_the_one_of_the_joined_text():
-    """Checkpoints and caches of earlier versions name their data by this hash: hashing in
-    pieces must not change it."""
-    train, val = "é" * 1000 + "abc\n" * 300, "xyz\n" * 70
-    want = hashlib.sha256(f"{len(train)}:".encode() + (train + val).encode("utf-8")).hexdigest()
-    assert corpus_digest(train, val, chunk=7) == want

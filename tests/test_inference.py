@@ -606,15 +606,15 @@ def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, ca
 
     (tmp_path / "windows.txt").write_bytes("\ufeffthe\r\nquick\r\n".encode("utf-8"))
     (tmp_path / "unix.txt").write_text("the\nquick\n", encoding="utf-8")
-    assert read_prompt(None, str(tmp_path / "unix.txt"))[0] == "the\nquick"
-    assert read_prompt(None, str(tmp_path / "windows.txt"))[0] == "the\nquick"
+    assert read_prompt(str(tmp_path / "unix.txt"))[0] == "the\nquick"
+    assert read_prompt(str(tmp_path / "windows.txt"))[0] == "the\nquick"
     # bytes, as a pipe gives them: UTF-8 whatever the locale's encoding
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\ufeffthe\r\nqu\u00efck\r\n".encode()),
                                                        encoding="latin-1"))
-    assert read_prompt(None, "-") == ("the\nqu\u00efck", "--prompt-file - (standard input)")
+    assert read_prompt("-") == ("the\nqu\u00efck", "--prompt-file - (standard input)")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("caf\xe9".encode("latin-1")), encoding="latin-1"))
     with pytest.raises(ValueError, match="--prompt-file: standard input is not UTF-8 text"):
-        read_prompt(None, "-")
+        read_prompt("-")
     with pytest.raises(SystemExit, match="--prompt is empty"):  # (the template's text is not the prompt)
         cli_main(["generate", str(run), "--prompt", "", "--chat"])
     (tmp_path / "empty.txt").write_text("\n", encoding="utf-8")

@@ -33,13 +33,11 @@ def _provides_attnres(dist: metadata.Distribution) -> bool:
     return any(f.parts and f.parts[0] in (OURS, f"{OURS}.py") for f in files)
 
 
-def clashing_distributions(thorough: bool = False) -> dict[str, str]:
+def clashing_distributions() -> dict[str, str]:
     """``{name: version}`` of the installed distributions other than this one that provide
-    a top-level ``attnres``: the :data:`KNOWN_CLASHES` (fast), or with ``thorough`` every
-    distribution that lists such a file."""
-    names = set(KNOWN_CLASHES)
-    if thorough:
-        names |= set(metadata.packages_distributions().get(OURS, ()))
+    a top-level ``attnres``: every distribution that lists such a file, and the
+    :data:`KNOWN_CLASHES` (found by name, as one installed without a file list is)."""
+    names = set(KNOWN_CLASHES) | set(metadata.packages_distributions().get(OURS, ()))
     found = {}
     for name in sorted(n for n in names if _normalised(n) != OURS):
         try:
@@ -51,10 +49,10 @@ def clashing_distributions(thorough: bool = False) -> dict[str, str]:
     return found
 
 
-def warn_about_clashes(thorough: bool = False) -> None:
+def warn_about_clashes() -> None:
     """One ``UserWarning`` per clashing distribution (see :func:`clashing_distributions`),
     each at most once per process."""
-    for name, version in clashing_distributions(thorough).items():
+    for name, version in clashing_distributions().items():
         if name in _warned:
             continue
         _warned.add(name)

@@ -432,9 +432,10 @@ class Fields:
     def rule(self, name: str, rule: Rule, value: Any) -> None:
         rule.check(self.prefix, name, value)
 
-    def integer(self, name: str, value: Any, minimum: int = 1, allow_none: str | None = None) -> None:
-        """An ``int`` (not a ``bool``) ``>= minimum``; ``None`` too when ``allow_none`` says what it means."""
-        self.rule(name, Int(minimum) if allow_none is None else Nullable(Int(minimum), allow_none), value)
+    def integer(self, name: str, value: Any, allow_none: str | None = None) -> None:
+        """An ``int`` (not a ``bool``) ``>= 1``; ``None`` too when ``allow_none`` says what it means
+        (a field with another bound states its own :class:`Int`, through :meth:`rule`)."""
+        self.rule(name, Int(1) if allow_none is None else Nullable(Int(1), allow_none), value)
 
     def positive(self, name: str, value: Any) -> None:
         self.rule(name, Number(0.0, lo_open=True), value)

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # --version and --help end here, at once
     record_given_imports(args.imports)
-    warn_about_clashes(thorough=True)  # every distribution's file list: a fraction of a second
+    warn_about_clashes()  # every distribution's file list: a fraction of a second
     command = COMMANDS[args.command]
     split = override_split_by_the_shell(getattr(parser.commands[args.command], "_given", [])) \
         if command.accepts_extra is not None else None

@@ -74,16 +74,14 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, which: st
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
 
-def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
-    """``(the prompt, how it was given)``: ``--prompt``'s text, or the text of ``--prompt-file``
+def read_prompt(prompt_file: str) -> tuple[str, str]:
+    """``(the prompt, how it was given)``: the text of one ``--prompt-file``
     (standard input for ``-``), its one final line break dropped (what an editor or ``echo``
     adds is not part of the text to continue). A file and standard input read alike: UTF-8,
     a byte-order mark (Windows editors write one) dropped, line breaks (CRLF, CR) read as LF."""
     import sys
     from pathlib import Path
 
-    if prompt is not None:
-        return prompt, "--prompt"
     try:
         if prompt_file == "-":
             given = "--prompt-file - (standard input)"
@@ -281,7 +279,7 @@ def read_prompts(prompts: list[str] | None, prompt_files: list[str] | None, each
     else:
         found = []
         for k, name in enumerate(prompt_files):
-            text, given = read_prompt(None, name)
+            text, given = read_prompt(name)
             if prompt_files.count(name) > 1:  # (the same file again: its header would read as the first's)
                 given += f" #{prompt_files[:k + 1].count(name)}"
             if not each_line:

@@ -62,14 +62,14 @@ HELD_OUT_FIELD_ADVICE = ("the field read is the one the run trained on (its data
                          "transformers directory): give records holding it, or the text as a plain-text file")
 
 
-def json_lines_text(path: str | Path, what: str, text_field: str = "text", advice: str = HELD_OUT_FIELD_ADVICE) -> str:
+def json_lines_text(path: str | Path, what: str, text_field: str = "text") -> str:
     """The text of the ``.jsonl`` file ``path`` as training reads it: its records'
     ``text_field`` joined by :data:`DOCUMENT_SEPARATOR` (its JSON syntax is no text: held-out
     JSON lines read whole scored a model on braces, quotes and field names). ``ValueError``
-    naming it as ``what``, and saying ``advice`` for a record without the field."""
+    naming it as ``what``, and saying :data:`HELD_OUT_FIELD_ADVICE` for a record without the field."""
     path = Path(path)
     try:
-        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field, advice))
+        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field, HELD_OUT_FIELD_ADVICE))
     except UnicodeDecodeError:
         raise _not_utf8(what, path) from None
     except ValueError as e:  # (a line that is not JSON, or has no string text_field: where, by line)
@@ -325,7 +325,7 @@ class Corpus:
 
     ``val`` is about ``val_fraction`` of the concatenated documents, taken as evenly spaced
     pieces (see :func:`piece_bounds`), ``train`` the rest: the split depends only on the text
-    and the fraction, never on a seed. ``digest`` hashes both parts (:func:`corpus_digest`)
+    and the fraction, never on a seed. ``digest`` hashes both parts (:func:`_digest_of`)
     and names the caches; until the text is read, a digest that a token cache recorded for
     the same files (:attr:`files_key`, taken when the corpus is found) stands for it
     (:meth:`recall`), so that a cache hit reads no text. ``home`` is where caches go by
@@ -464,17 +464,11 @@ def piece_bounds(length: int, val_fraction: float, find: Callable[[str, int, int
     return bounds, {int((j + 0.5) * n / n_val) for j in range(n_val)}
 
 
-def corpus_digest(train: str, val: str, chunk: int = 1 << 24) -> str:
-    """The SHA-256 that names a split corpus (its caches, a checkpoint's data fingerprint):
-    of ``len(train)``, ``:`` and the UTF-8 text of ``train + val``, hashed in pieces of
-    ``chunk`` characters so that neither the joined text nor its bytes are held at once."""
-    return _digest_of(len(train), (part[start:start + chunk] for part in (train, val)
-                                   for start in range(0, len(part), chunk)))
-
-
 def _digest_of(train_length: int, parts: Iterable[str]) -> str:
-    """:func:`corpus_digest` of the training text of ``train_length`` characters followed by
-    the validation text, given as ``parts`` that join to them."""
+    """The SHA-256 that names a split corpus (its caches, a checkpoint's data fingerprint):
+    of ``train_length`` (the training text's characters), ``:`` and the UTF-8 text of the
+    training text followed by the validation text, given as ``parts`` that join to them, so
+    that neither the joined text nor its bytes are held at once."""
     digest = hashlib.sha256(f"{train_length}:".encode())
     for part in parts:
         digest.update(part.encode("utf-8"))
@@ -689,7 +683,7 @@ def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str,
 
 
 def _val_and_digest(text: Iterator[str], layout: _Layout, val_fraction: float) -> tuple[str, str]:
-    """The validation text and the digest (:func:`corpus_digest`) of the text that ``text``
+    """The validation text and the digest (:func:`_digest_of`) of the text that ``text``
     streams, split as ``layout`` says; ``ValueError`` when either split is empty or blank."""
     val: list[str] = []
     train_blank = True
