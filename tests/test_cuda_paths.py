@@ -101,11 +101,12 @@ def _bound(real, fake):
 
 
 class _Log(list):
-    """The captures and replays in order; ``events``: the CUDA events recorded and waited on."""
+    """The captures and replays in order; ``events``: the CUDA events recorded and waited on;
+    ``modes``: each capture's ``capture_error_mode``."""
 
     def __init__(self):
         super().__init__()
-        self.events = []
+        self.events, self.modes = [], []
 
 
 @pytest.fixture
@@ -145,6 +146,7 @@ def fake_cuda_graphs(monkeypatch):
     @contextlib.contextmanager
     def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
         log.append("capture")
+        log.modes.append(capture_error_mode)
         cuda_graph.capture, cuda_graph.inference = _Capture(), torch.is_inference_mode_enabled()
         with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
             yield
@@ -177,6 +179,9 @@ def test_the_graphed_decoder_replays_the_static_steps_logits(fake_cuda_graphs, r
         assert decoder.length == 12
     assert fake_cuda_graphs == ["capture"] + ["replay"] * 5
     torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+    # (a capture in "global" mode refuses a host sync or allocation in any thread: another thread's
+    # generate - each with a decoder of its own - failed, and broke this capture)
+    assert fake_cuda_graphs.modes == ["thread_local"]
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)

@@ -477,7 +477,7 @@ def test_a_graph_records_one_step_after_its_warm_up_steps_outside_the_capture(mo
         log.append(f"{name} end")
 
     for name, value in {"Stream": Stream, "current_stream": Stream, "CUDAGraph": Graph,
-                        "stream": lambda s: scope("side stream"), "graph": lambda g: scope("capture")}.items():
+                        "stream": lambda s: scope("side stream"), "graph": lambda g, capture_error_mode: scope("capture")}.items():
         monkeypatch.setattr(torch.cuda, name, value)
     step = static.static_decode_step
 

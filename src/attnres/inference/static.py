@@ -305,7 +305,10 @@ class StaticDecoder:
         current.wait_stream(side)
         self.cache.crop_(0)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
+        # ("thread_local": the capture refuses what this thread does that a graph cannot hold; the
+        # default, "global", refused it in every thread - another thread's generate, whose host sync per
+        # token or allocation then failed, and broke this capture - and generate keeps a decoder per thread)
+        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = static_decode_step(self.model, self.cache, self._tokens)
         self._graph, self._logits = graph, logits
         # (capture records the kernels without running them: the cache is still empty)
