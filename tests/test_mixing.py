@@ -418,6 +418,26 @@ def test_the_analysis_of_a_model_of_your_own_says_where_its_depth_weights_are():
     assert semiseparable_rank(mm.weights).shape == (2, 8)
 
 
+def test_depth_entropy_refuses_every_mixer_s_list_and_weights_that_do_not_sum_to_one_over_the_sources():
+    """``depth_entropy(state.weights)`` (the whole list) failed in "'list' object has no attribute
+    'detach'"; weights with the sources last (``[B, T, n]``, as a plot takes them) or logits gave
+    a number, an entropy over the batch, silently. Each now names the fix."""
+    from attnres.analysis import depth_entropy
+
+    _, state = _OwnModel()(ids(), record_weights=True)
+    with pytest.raises(ValueError, match=r"one mixer's weights \[n_sources, \.\.\.\], got a list of 5 .*"
+                                         r"\[depth_entropy\(w\) for w in weights\]"):
+        depth_entropy(state.weights)
+    w = state.weights[3].detach()  # [3 sources, B, T]
+    with pytest.raises(ValueError, match=r"summing to 1 over the sources \(dim 0\); those given \(2, 8, 3\) .*"
+                                         r"weights\.movedim\(-1, 0\)"):
+        depth_entropy(w.movedim(0, -1))
+    with pytest.raises(ValueError, match="logits\\? pass their softmax"):
+        depth_entropy(w.log())
+    assert depth_entropy(w.movedim(0, -1).movedim(-1, 0)) == depth_entropy(w) == pytest.approx(math.log(3))
+    assert depth_entropy(w.to(torch.bfloat16)) == pytest.approx(math.log(3), rel=1e-2)  # (a bf16 copy's rounding)
+
+
 def test_the_rank_takes_lower_triangular_square_matrices_only():
     """``semiseparable_rank`` gave a rank of a non-square matrix and of ``M`` transposed (sources
     as rows): the ranks of other blocks than the report's, without a word; a vector failed inside
