@@ -277,6 +277,25 @@ class ResidualStream(DrivenModule, ABC):
             fix = ("materialise them: residual.to_empty(device=...) then residual.reset_parameters()"
                    if param.device.type == "meta" else f"move one to the other's device (residual.to({str(x.device)!r}))")
             raise ValueError(f"{where} is on {x.device} but this residual's parameters are on {param.device}; {fix}")
+        if param is not None and type(param) is not nn.Parameter:
+            self._refuse_sharded(where, param, x)
+
+    def _refuse_sharded(self, where: str, param: Tensor, x: Tensor) -> None:
+        """``ValueError`` where ``param`` is a DTensor and ``x`` a plain tensor: FSDP2 applied to
+        the residual itself (``fully_shard(model.residual)``, as a loop over every module does)
+        gathers its parameters when it is called, and the residual is never called; the forward
+        failed deep in the depth attention ("aten.mm.default got mixed torch.Tensor and DTensor")."""
+        if not torch.distributed.is_available():  # (a build without it has no DTensor; a fake tensor passes)
+            return
+        from torch.distributed.tensor import DTensor  # (only for a parameter that is a tensor subclass)
+
+        if isinstance(param, DTensor) and not isinstance(x, DTensor):
+            raise ValueError(f"{where} is a plain tensor but the parameters of residual {self._label()} are sharded "
+                             f"DTensors ({param.placements}), as fully_shard(residual) leaves them: FSDP2 gathers a "
+                             "module's parameters when the module is called, and the residual is driven through "
+                             "start/sublayer_input/add_output/finish, never called. Leave it out of fully_shard and "
+                             "shard the module whose forward drives it (fully_shard(model): the residual's parameters "
+                             "join the root's unit)")
 
     def _stored(self, x: Tensor) -> Tensor:
         """``x`` in the stream's storage dtype: the autocast dtype where ``autocast_stream``
