@@ -528,6 +528,29 @@ def test_an_update_through_data_is_seen_by_the_no_grad_forward_after_eval(kind):
     assert_rel_close(after, expected.detach(), TOL[torch.float64])
 
 
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_a_fused_optimizer_step_is_seen_by_the_next_no_grad_forward(kind):
+    """``AdamW(..., fused=True)`` updates the parameters in place without bumping their version
+    counters: the no-grad forward after its step inside the training loop (a sample, a
+    validation loss, no ``model.eval()`` in between) ran with the folded queries kept from the
+    no-grad forward before it - the old queries, silently."""
+    fast, _, sublayers = make_pair(kind, 6, 5)
+    emb = torch.randn(2, 3, 6, dtype=torch.float64)
+    opt = torch.optim.AdamW(fast.parameters(), lr=0.5, fused=True)
+    with torch.no_grad():
+        before, _ = run(fast, sublayers, emb)
+    run(fast, sublayers, emb)[0].square().sum().backward()
+    versions = [p._version for p in fast.parameters()]
+    opt.step()
+    assert [p._version for p in fast.parameters()] == versions  # (what the queries kept were keyed on)
+    with torch.no_grad():
+        after, _ = run(fast, sublayers, emb)
+    with torch.enable_grad():
+        expected, _ = run(fast, sublayers, emb)
+    assert not torch.equal(after, before)
+    assert_rel_close(after, expected.detach(), TOL[torch.float64])
+
+
 class _Doubled(torch.nn.Module):
     def forward(self, x):
         return 2 * x
