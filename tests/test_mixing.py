@@ -525,6 +525,33 @@ def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
         source_stats(W[0, 0, :, :4])
 
 
+def test_the_rank_and_the_sink_table_take_the_mixing_matrix_itself():
+    """The README's own-model way - ``residual.mixing_matrix(state)``, "which semiseparable_rank
+    and source_stats measure" - was refused by both ("got MixingMatrix"). They take it: its
+    weights, or for a channel-wise variant the largest rank over its per-channel matrices (the
+    report's rank, as ``depth_mixing_matrix`` gives it); its weights alone, their mean over the
+    channels, are refused for the rank, naming ``per_channel=True``."""
+    from attnres.analysis import source_stats
+
+    own = _OwnModel()
+    with torch.no_grad():
+        for p in own.residual.parameters():
+            p.add_(torch.randn_like(p))
+    _, state = own(ids(), record_weights=True)
+    mm = own.residual.mixing_matrix(state)
+    assert torch.equal(semiseparable_rank(mm), semiseparable_rank(mm.weights))
+    assert source_stats(mm) == source_stats(mm.weights)
+    highway = model("highway", n_layers=3, perturb=0.5)
+    per_channel = mixing_forward(highway, ids(1, 2), per_channel=True).mixing
+    pc_ranks = semiseparable_rank(per_channel.per_channel.movedim(-1, -3))  # [1, 2, d]
+    assert torch.equal(semiseparable_rank(per_channel), pc_ranks.amax(-1))
+    assert int(semiseparable_rank(per_channel).max()) == depth_mixing_matrix(highway, ids(1, 2)).rank
+    reduced = mixing_forward(highway, ids(1, 2)).mixing
+    with pytest.raises(ValueError, match=r"semiseparable_rank of a MixingMatrix whose weights are the mean over the "
+                                         r".*residual\.mixing_matrix\(state, per_channel=True\)"):
+        semiseparable_rank(reduced)
+
+
 @pytest.mark.parametrize("kind", ["attnres_full", "attnres_block", "highway", "layerscale", "mhc", "denseformer"])
 def test_the_mixing_matrix_of_a_training_forward_is_a_description_without_its_graph(kind):
     """Every variant built ``M`` from detached tensors but AttnRes, whose recorded depth weights
