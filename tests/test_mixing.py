@@ -552,6 +552,30 @@ def test_the_rank_and_the_sink_table_take_the_mixing_matrix_itself():
         semiseparable_rank(reduced)
 
 
+def test_the_mixing_panels_take_what_the_analysis_gives_and_name_the_fix_for_the_rest():
+    """``plot_mixing_panels`` of the README's own-model ``residual.mixing_matrix(state)`` failed
+    inside: the MixingMatrix ("no attribute 'detach'"), its per-token weights ("Invalid shape (2,
+    8, 5, 5) for image data"), one panel not in a list ("'str' object has no attribute
+    'detach'"), a DepthMixing ("cannot unpack"). The first and the last are drawn (the matrix
+    averaged over its tokens, as ``depth_mixing_matrix`` does), the others name the fix."""
+    pytest.importorskip("matplotlib")
+    from attnres.analysis.mixing_report import plot_mixing_panels
+
+    own = _OwnModel()
+    _, state = own(ids(), record_weights=True)
+    mm = own.residual.mixing_matrix(state)
+    own_mean = mm.weights.mean((0, 1))
+    drawn = plot_mixing_panels([("own", mm, mm.source_groups)]).axes[0].images[0].get_array()
+    assert torch.allclose(torch.as_tensor(drawn.filled(float("nan"))).nan_to_num(), own_mean.tril())
+    dm = depth_mixing_matrix(model("attnres_block", block_size=2), ids())
+    assert plot_mixing_panels([dm]).axes[0].get_title() == "attnres_block"
+    with pytest.raises(ValueError, match=r"panels\[0\] \('own'\) needs one matrix M \[n, n\], got \(2, 8, 5, 5\): .*"
+                                         r"M\.reshape\(-1, n, n\)\.mean\(0\)"):
+        plot_mixing_panels([("own", mm.weights, None)])
+    with pytest.raises(ValueError, match=r"takes a list of panels.*for one, \[\(title, M, source_groups\)\]"):
+        plot_mixing_panels(("own", own_mean, None))
+
+
 @pytest.mark.parametrize("kind", ["attnres_full", "attnres_block", "highway", "layerscale", "mhc", "denseformer"])
 def test_the_mixing_matrix_of_a_training_forward_is_a_description_without_its_graph(kind):
     """Every variant built ``M`` from detached tensors but AttnRes, whose recorded depth weights
