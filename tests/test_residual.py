@@ -631,6 +631,11 @@ def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
                                                  r"attnres.nn.RMSNorm.*defer_norm=False"):
             read()
     assert not hasattr(x, "__deepcopy__") and not hasattr(x, "shape")
+    # (one that scales or slices it first, h * 0.5 or h[..., :4]: "unsupported operand type(s) for *:
+    # 'FusableNormInput' and 'float'", "'FusableNormInput' object is not subscriptable")
+    for op in (lambda: x * 0.5, lambda: 2 + x, lambda: -x, lambda: x[..., :4], lambda: x @ torch.eye(8)):
+        with pytest.raises(TypeError, match=r"operator .* was applied to a deferred sublayer input .*defer_norm=False"):
+            op()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
