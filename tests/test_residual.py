@@ -773,6 +773,20 @@ def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_doe
     assert [m.split(" = ")[0] for m in said] == ["ModelConfig.residual.block_size"]
 
 
+def test_build_residual_takes_the_fields_of_a_name_or_mapping_as_keywords():
+    """``build_residual("attnres_block", d, L, block_size=2)`` was a TypeError, "unexpected
+    keyword argument 'block_size'": the keywords are fields, checked as a mapping's; a
+    ``ResidualConfig`` (complete) is refused with them, naming ``dataclasses.replace``."""
+    block = build_residual("attnres_block", 8, 4, block_size=2)
+    assert (block.name, block.block_size) == ("attnres_block", 2)
+    assert build_residual({"kind": "attnres_block", "block_size": 1}, 8, 4, block_size=4).block_size == 4
+    with pytest.raises(ValueError, match=r"\['blok_size'\] \(did you mean 'block_size'"):
+        build_residual("attnres_block", 8, 4, blok_size=2)
+    with pytest.raises(ValueError, match=r"a ResidualConfig takes no more fields \(\['block_size'\]\): .*"
+                                         r"dataclasses\.replace\(config, \.\.\.\)"):
+        build_residual(ResidualConfig(kind="attnres_block"), 8, 4, block_size=2)
+
+
 def test_a_variants_from_config_refuses_a_config_of_another_kind():
     """``BlockAttnRes.from_config(ResidualConfig(kind="attnres_full"), d, L)`` built a Block
     AttnRes and ignored the kind (Full's of an ``attnres_block`` config a Full, a baseline's of
