@@ -438,6 +438,26 @@ def test_depth_entropy_refuses_every_mixer_s_list_and_weights_that_do_not_sum_to
     assert depth_entropy(w.to(torch.bfloat16)) == pytest.approx(math.log(3), rel=1e-2)  # (a bf16 copy's rounding)
 
 
+def test_the_analysis_of_a_wrapped_model_names_its_module():
+    """``depth_mixing_matrix(DistributedDataParallel(model), ids)`` (and ``forward_diagnostics``,
+    ``block_grad_norms``) told the user to drive a residual of their own model with
+    ``record_weights``; the wrapper's ``.module`` is the way (any module holding the model as
+    ``.module`` stands for DDP here, which needs a process group)."""
+    from attnres.analysis import block_grad_norms, forward_diagnostics
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    m = model("attnres_block", block_size=2)
+    for analyse in (depth_mixing_matrix, forward_diagnostics, lambda w, _: block_grad_norms(w)):
+        with pytest.raises(TypeError, match=r"takes the model itself; got Wrapper around AttnResLM: give it the "
+                                            r"wrapper's \.module"):
+            analyse(Wrapper(m), ids())
+    assert depth_mixing_matrix(Wrapper(m).module, ids()).residual == "attnres_block"
+
+
 def test_the_rank_takes_lower_triangular_square_matrices_only():
     """``semiseparable_rank`` gave a rank of a non-square matrix and of ``M`` transposed (sources
     as rows): the ranks of other blocks than the report's, without a word; a vector failed inside

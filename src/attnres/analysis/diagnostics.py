@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..models.hf_registry import hf_hook
 from ..nn.compiled import uncompiled
 from ..nn.norm import norm_input_value
-from .mixing import OWN_MODEL_WAY
+from .mixing import OWN_MODEL_WAY, refuse_wrapper
 
 
 def _rms(x: Tensor) -> float:
@@ -43,6 +43,7 @@ def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.
         return [(layer, layer.attn, layer.mlp, layer.attn_norm) for layer in model.layers]
     if not hasattr(getattr(model, "config", None), "model_type"):  # (a model of the user's own: an AttributeError
         # on 'config', or on a layer's 'attn', from inside the hooks' set-up)
+        refuse_wrapper(model, "the block diagnostics")
         raise TypeError(f"the block diagnostics run AttnResLM, the attnres.hf models and transformers models of "
                         f"attnres.upcycle, whose blocks' attn, mlp and attn_norm they hook; got {type(model).__name__}; "
                         f"{OWN_MODEL_WAY}, and a forward hook on each of your sublayers gives its output")

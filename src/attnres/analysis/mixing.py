@@ -279,8 +279,20 @@ OWN_MODEL_WAY = ("for a model of your own that drives a residual module (README 
                  "it)")
 
 
+def refuse_wrapper(model: object, who: str) -> None:
+    """``TypeError`` where ``model`` is a wrapper of the model (``DistributedDataParallel``, any
+    module holding it as ``.module``), naming ``.module``: ``depth_mixing_matrix(ddp_model, ids)``
+    was told to start a forward of its own with ``record_weights`` - the way for a model of
+    one's own, not for an AttnResLM behind DDP."""
+    wrapped = getattr(model, "module", None) if isinstance(model, nn.Module) else None
+    if isinstance(wrapped, nn.Module) and hasattr(wrapped, "residual"):  # (an attnres model, or a compiled one)
+        raise TypeError(f"{who} takes the model itself; got {type(model).__name__} around {type(wrapped).__name__}: "
+                        f"give it the wrapper's .module (the model it wraps)")
+
+
 def _trunk(model: nn.Module):
     if not all(hasattr(model, a) for a in ("decode", "residual", "embed_tokens")):
+        refuse_wrapper(model, "depth mixing analysis")
         raise TypeError(f"depth mixing analysis runs models with the attnres decoder trunk (AttnResLM, the attnres.hf "
                         f"models) and transformers models of attnres.upcycle; got {type(model).__name__}; "
                         f"{OWN_MODEL_WAY}")
