@@ -324,6 +324,19 @@ def test_start_resume_and_add_output_refuse_a_stream_they_cannot_keep(make):
         m.resume(history, "2")
 
 
+@pytest.mark.parametrize("make", [lambda: StandardResidual(8, 4), lambda: BlockAttnRes(8, 4, 2),
+                                  lambda: FullAttnRes(8, 4), lambda: BlockAttnRes(8, 4, 2, schedule="naive")])
+def test_a_resumed_stream_refuses_an_output_of_another_shape_than_its_history(make):
+    """A resumed state checked only ``d``: an output ``[1, 8]`` of a ``[2, 8]`` stream broadcast
+    into Block AttnRes' partial sum and finished, silently (Full failed later, naming its
+    sources). It is refused at ``add_output``, as before the cut."""
+    m = make()
+    resumed = m.resume(m.history(_run_to(m, torch.randn(2, 8), 2)), 2)
+    m.sublayer_input(resumed, 2)
+    with pytest.raises(ValueError, match=r"^add_output\(2\): sublayer 2's output must have the stream's shape \[2, 8\]"):
+        m.add_output(resumed, 2, torch.randn(1, 8))
+
+
 def _run_to(m, x, at):
     state = m.start(x)
     for l in range(at):
