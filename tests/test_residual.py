@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -335,6 +336,21 @@ def test_a_resumed_stream_refuses_an_output_of_another_shape_than_its_history(ma
     m.sublayer_input(resumed, 2)
     with pytest.raises(ValueError, match=r"^add_output\(2\): sublayer 2's output must have the stream's shape \[2, 8\]"):
         m.add_output(resumed, 2, torch.randn(1, 8))
+
+
+@pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4)])
+def test_a_query_of_another_shape_is_named_by_its_mixer(make):
+    """A query or gain assigned by hand in another shape failed inside the two-phase schedule,
+    "stack expects each tensor to be equal size" or "The size of tensor a (4) must match",
+    naming neither the mixer nor the shape; each is named, with the dim it must have."""
+    for what, bad in [("query", torch.zeros(1, 8)), ("query", torch.zeros(4)), ("key_norm.weight", torch.ones(2, 8))]:
+        m = make()
+        owner = m.mixers[2] if what == "query" else m.mixers[2].key_norm
+        setattr(owner, what.split(".")[-1], torch.nn.Parameter(bad))
+        with pytest.raises(ValueError, match=rf"^{type(m).__name__}: mixers\[2\]\.{re.escape(what)} must have shape "
+                                             rf"\(8,\) \(this residual's dim: one vector per mixer\), got "
+                                             rf"{re.escape(str(tuple(bad.shape)))}"):
+            _run_to(m, torch.randn(2, 3, 8), 4)
 
 
 def _run_to(m, x, at):

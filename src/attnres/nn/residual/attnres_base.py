@@ -326,7 +326,24 @@ class AttnResBase(ResidualStream):
 
     def _fold(self, dtype: torch.dtype) -> list[Tensor]:
         compute = compute_dtype(dtype)
-        return [m.folded_query(compute) for m in self.mixers]
+        try:
+            folded = [m.folded_query(compute) for m in self.mixers]
+        except RuntimeError:  # (a query and gain that do not broadcast: "The size of tensor a (4) must match ...")
+            self._refuse_bad_queries()
+            raise
+        if any(f.shape != (self.dim,) for f in folded):  # (else "stack expects each tensor to be equal size")
+            self._refuse_bad_queries()
+        return folded
+
+    def _refuse_bad_queries(self) -> None:
+        """``ValueError`` naming the first mixer whose query or key-norm gain is not ``[dim]``
+        (one assigned or loaded by hand, ``mixers[2].query = nn.Parameter(torch.zeros(1, d))``)."""
+        for i, m in enumerate(self.mixers):
+            for what, t in (("query", m.query), ("key_norm.weight", m.key_norm.weight)):
+                if tuple(t.shape) != (self.dim,):
+                    raise ValueError(f"{type(self).__name__}: mixers[{i}].{what} must have shape ({self.dim},) (this "
+                                     f"residual's dim: one vector per mixer), got {tuple(t.shape)}; assign a "
+                                     f"parameter of that shape, or load a checkpoint of a residual of dim {self.dim}")
 
     def _kept_queries(self, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
         """The kept ``[L + 1, d]`` folded queries and their rows (see :meth:`folded_queries`)."""
