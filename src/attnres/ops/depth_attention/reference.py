@@ -314,7 +314,9 @@ def check_phase1(qg: Tensor, sources: Sequence[Tensor], out_dtype: torch.dtype |
     d = sources[0].shape[-1]
     if not isinstance(qg, Tensor) or qg.dim() != 2 or qg.shape[-1] != d:
         got = tuple(qg.shape) if isinstance(qg, Tensor) else type(qg).__name__
-        raise ValueError(f"qg must have shape [S, {d}] (S queries of the sources' d = {d}), got {got}")
+        # (one query [d], as depth_attention takes it, was answered with the shape alone)
+        one = "; one query: qg[None]" if isinstance(qg, Tensor) and qg.shape == (d,) else ""
+        raise ValueError(f"qg must have shape [S, {d}] (S queries of the sources' d = {d}), got {got}{one}")
     if qg.device != sources[0].device:
         raise ValueError(f"qg is on {qg.device} but the sources are on {sources[0].device}")
 
