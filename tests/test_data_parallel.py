@@ -496,3 +496,57 @@ def test_fsdp2s_view_warning_is_silenced_for_our_modules_only():
         for cls in ("FSDPAttention", "FSDPSwiGLU", "FSDPAttnResLM", "FSDPUsersModule"):
             warnings.warn(f"FSDP2-wrapped module ({cls}) returned a view tensor. An in-place op ...", UserWarning)
     assert [str(w.message).split(")")[0] for w in shown] == ["FSDP2-wrapped module (FSDPUsersModule"]
+
+
+def test_fully_shard_of_the_residual_itself_is_refused_naming_the_unit_that_works():
+    """``fully_shard(model.residual)`` (a loop that shards every module of a model of your own)
+    left its parameters sharded DTensors through the forward - FSDP2 gathers them when the
+    module is called, and a residual never is - and the forward failed deep in the depth
+    attention, "aten.mm.default got mixed torch.Tensor and DTensor". ``start`` names the fix;
+    sharding the model around it trains as one process (a one-rank group, in this process)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from attnres.nn import BlockAttnRes
+
+    class Own(torch.nn.Module):  # the README's "AttnRes in your own PyTorch model", small
+        def __init__(self, d: int = 8, n: int = 4):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, d)
+            self.sublayers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+            self.residual = BlockAttnRes(d, n, block_size=2)
+
+        def forward(self, ids):
+            state = self.residual.start(self.embed(ids))
+            for l, sublayer in enumerate(self.sublayers):
+                self.residual.add_output(state, l, sublayer(self.residual.sublayer_input(state, l)))
+            return self.residual.finish(state)
+
+    ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        ref = Own()
+        with torch.no_grad():
+            for p in ref.residual.parameters():
+                p.add_(torch.randn_like(p))
+        each, root = Own(), Own()
+        each.load_state_dict(ref.state_dict()), root.load_state_dict(ref.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the hook on the residual that never runs: warned, test_python_api)
+            for module in (*each.sublayers, each.residual, each):
+                fully_shard(module, mesh=mesh)
+        with pytest.raises(ValueError, match=r"^FSDPBlockAttnRes\.start: the embedding is a plain tensor but the "
+                                             r"parameters of residual 'attnres_block' are sharded DTensors .*"
+                                             r"fully_shard\(residual\).*never called\. Leave it out of fully_shard "
+                                             r"and shard the module whose forward drives it \(fully_shard\(model\)"):
+            each(ids)
+        for module in (*root.sublayers, root):
+            fully_shard(module, mesh=mesh)
+        assert torch.allclose(root(ids), ref(ids), atol=1e-6)
+    finally:
+        dist.destroy_process_group()

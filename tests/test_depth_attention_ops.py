@@ -759,6 +759,8 @@ def test_every_size_the_kernels_trust_is_checked_first(backend):
             phase1(qg1, *args)
     with pytest.raises(ValueError, match=r"qg must have shape \[S, 8\]"):
         phase1(torch.randn(3, 9), sources)
+    with pytest.raises(ValueError, match=r"qg must have shape \[S, 8\] .*got \(8,\); one query: qg\[None\]$"):
+        phase1(torch.randn(8), sources)  # (one query as depth_attention takes it: was the shape alone)
     bad = [((z, [sources[0], short], computed, qg), r"sources\[1\] has shape \(2, 4, 8\)"),
            ((z, sources, [short], qg), r"computed\[0\] has shape \(2, 4, 8\)"),
            ((z[:, :4], sources, computed, qg), r"z must have shape \[2, 5, 2\]"),

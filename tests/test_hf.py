@@ -705,6 +705,20 @@ def test_generate_in_training_mode_with_activation_checkpointing(reentrant):
     activation_checkpointing(hf, enable=False)
 
 
+def test_the_native_model_s_return_depth_weights_is_refused_not_dropped():
+    """``hf(ids, return_depth_weights=True)`` - the keyword of the README's ``AttnResLM`` - went
+    into the wrapper's ``**kwargs`` and was dropped: an output without ``depth_weights``, and not
+    a word. It is refused, naming ``to_native()``; ``False`` is left alone."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 8))
+    for model in (hf, AttnResModel(hf.config)):
+        with pytest.raises(ValueError, match=r"return_depth_weights=True is a keyword of attnres's own model "
+                                             r"\(AttnResLM\).*model\.to_native\(\)\(input_ids, return_depth_weights=True\)"):
+            model(ids, return_depth_weights=True)
+    assert hf(ids, return_depth_weights=False).logits.shape == (1, 8, hf.config.vocab_size)
+    assert len(hf.to_native()(ids, return_depth_weights=True).depth_weights) == 2 * hf.config.n_layers + 1
+
+
 @pytest.mark.parametrize("name", ["output_hidden_states", "output_attentions"])
 def test_per_layer_outputs_are_refused_not_dropped(name):
     """The native decoder records no per-layer hidden states or attention weights: asking for

@@ -418,6 +418,46 @@ def test_the_analysis_of_a_model_of_your_own_says_where_its_depth_weights_are():
     assert semiseparable_rank(mm.weights).shape == (2, 8)
 
 
+def test_depth_entropy_refuses_every_mixer_s_list_and_weights_that_do_not_sum_to_one_over_the_sources():
+    """``depth_entropy(state.weights)`` (the whole list) failed in "'list' object has no attribute
+    'detach'"; weights with the sources last (``[B, T, n]``, as a plot takes them) or logits gave
+    a number, an entropy over the batch, silently. Each now names the fix."""
+    from attnres.analysis import depth_entropy
+
+    _, state = _OwnModel()(ids(), record_weights=True)
+    with pytest.raises(ValueError, match=r"one mixer's weights \[n_sources, \.\.\.\], got a list of 5 .*"
+                                         r"\[depth_entropy\(w\) for w in weights\]"):
+        depth_entropy(state.weights)
+    w = state.weights[3].detach()  # [3 sources, B, T]
+    with pytest.raises(ValueError, match=r"summing to 1 over the sources \(dim 0\); those given \(2, 8, 3\) .*"
+                                         r"weights\.movedim\(-1, 0\)"):
+        depth_entropy(w.movedim(0, -1))
+    with pytest.raises(ValueError, match="logits\\? pass their softmax"):
+        depth_entropy(w.log())
+    assert depth_entropy(w.movedim(0, -1).movedim(-1, 0)) == depth_entropy(w) == pytest.approx(math.log(3))
+    assert depth_entropy(w.to(torch.bfloat16)) == pytest.approx(math.log(3), rel=1e-2)  # (a bf16 copy's rounding)
+
+
+def test_the_analysis_of_a_wrapped_model_names_its_module():
+    """``depth_mixing_matrix(DistributedDataParallel(model), ids)`` (and ``forward_diagnostics``,
+    ``block_grad_norms``) told the user to drive a residual of their own model with
+    ``record_weights``; the wrapper's ``.module`` is the way (any module holding the model as
+    ``.module`` stands for DDP here, which needs a process group)."""
+    from attnres.analysis import block_grad_norms, forward_diagnostics
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    m = model("attnres_block", block_size=2)
+    for analyse in (depth_mixing_matrix, forward_diagnostics, lambda w, _: block_grad_norms(w)):
+        with pytest.raises(TypeError, match=r"takes the model itself; got Wrapper around AttnResLM: give it the "
+                                            r"wrapper's \.module"):
+            analyse(Wrapper(m), ids())
+    assert depth_mixing_matrix(Wrapper(m).module, ids()).residual == "attnres_block"
+
+
 def test_the_rank_takes_lower_triangular_square_matrices_only():
     """``semiseparable_rank`` gave a rank of a non-square matrix and of ``M`` transposed (sources
     as rows): the ranks of other blocks than the report's, without a word; a vector failed inside
@@ -503,6 +543,57 @@ def test_the_sink_table_takes_a_mixing_matrixs_weights_as_they_are():
     assert source_stats(W[0, 0]) == source_stats(W[0, 0].unsqueeze(0))
     with pytest.raises(ValueError, match=r"source_stats takes mixing matrices \[\.\.\., n, n\].*got \(5, 4\)"):
         source_stats(W[0, 0, :, :4])
+
+
+def test_the_rank_and_the_sink_table_take_the_mixing_matrix_itself():
+    """The README's own-model way - ``residual.mixing_matrix(state)``, "which semiseparable_rank
+    and source_stats measure" - was refused by both ("got MixingMatrix"). They take it: its
+    weights, or for a channel-wise variant the largest rank over its per-channel matrices (the
+    report's rank, as ``depth_mixing_matrix`` gives it); its weights alone, their mean over the
+    channels, are refused for the rank, naming ``per_channel=True``."""
+    from attnres.analysis import source_stats
+
+    own = _OwnModel()
+    with torch.no_grad():
+        for p in own.residual.parameters():
+            p.add_(torch.randn_like(p))
+    _, state = own(ids(), record_weights=True)
+    mm = own.residual.mixing_matrix(state)
+    assert torch.equal(semiseparable_rank(mm), semiseparable_rank(mm.weights))
+    assert source_stats(mm) == source_stats(mm.weights)
+    highway = model("highway", n_layers=3, perturb=0.5)
+    per_channel = mixing_forward(highway, ids(1, 2), per_channel=True).mixing
+    pc_ranks = semiseparable_rank(per_channel.per_channel.movedim(-1, -3))  # [1, 2, d]
+    assert torch.equal(semiseparable_rank(per_channel), pc_ranks.amax(-1))
+    assert int(semiseparable_rank(per_channel).max()) == depth_mixing_matrix(highway, ids(1, 2)).rank
+    reduced = mixing_forward(highway, ids(1, 2)).mixing
+    with pytest.raises(ValueError, match=r"semiseparable_rank of a MixingMatrix whose weights are the mean over the "
+                                         r".*residual\.mixing_matrix\(state, per_channel=True\)"):
+        semiseparable_rank(reduced)
+
+
+def test_the_mixing_panels_take_what_the_analysis_gives_and_name_the_fix_for_the_rest():
+    """``plot_mixing_panels`` of the README's own-model ``residual.mixing_matrix(state)`` failed
+    inside: the MixingMatrix ("no attribute 'detach'"), its per-token weights ("Invalid shape (2,
+    8, 5, 5) for image data"), one panel not in a list ("'str' object has no attribute
+    'detach'"), a DepthMixing ("cannot unpack"). The first and the last are drawn (the matrix
+    averaged over its tokens, as ``depth_mixing_matrix`` does), the others name the fix."""
+    pytest.importorskip("matplotlib")
+    from attnres.analysis.mixing_report import plot_mixing_panels
+
+    own = _OwnModel()
+    _, state = own(ids(), record_weights=True)
+    mm = own.residual.mixing_matrix(state)
+    own_mean = mm.weights.mean((0, 1))
+    drawn = plot_mixing_panels([("own", mm, mm.source_groups)]).axes[0].images[0].get_array()
+    assert torch.allclose(torch.as_tensor(drawn.filled(float("nan"))).nan_to_num(), own_mean.tril())
+    dm = depth_mixing_matrix(model("attnres_block", block_size=2), ids())
+    assert plot_mixing_panels([dm]).axes[0].get_title() == "attnres_block"
+    with pytest.raises(ValueError, match=r"panels\[0\] \('own'\) needs one matrix M \[n, n\], got \(2, 8, 5, 5\): .*"
+                                         r"M\.reshape\(-1, n, n\)\.mean\(0\)"):
+        plot_mixing_panels([("own", mm.weights, None)])
+    with pytest.raises(ValueError, match=r"takes a list of panels.*for one, \[\(title, M, source_groups\)\]"):
+        plot_mixing_panels(("own", own_mean, None))
 
 
 @pytest.mark.parametrize("kind", ["attnres_full", "attnres_block", "highway", "layerscale", "mhc", "denseformer"])

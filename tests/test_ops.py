@@ -117,6 +117,10 @@ def test_autocast_does_not_lower_depth_attention_precision():
         ([torch.zeros(2, 4), torch.zeros(3, 4)], "same shape"),
         ([torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)], "same dtype"),
         (torch.zeros(2, 2, 4), "list or tuple"),
+        # (a stacked tensor and a generator were named by their type alone, "got Tensor")
+        (torch.zeros(3, 2, 4), r"got a tensor of shape \(3, 2, 4\): for sources stacked along dim 0 pass "
+                               r"list\(sources\.unbind\(0\)\); for one source, \[source\]"),
+        ((torch.zeros(2, 4) for _ in range(2)), r"got generator: pass list\(\.\.\.\) of it"),
         ([torch.zeros(2, 4), "x"], "expected a tensor"),
         ([torch.zeros(2, 4, dtype=torch.long)] * 2, "floating-point"),  # (it returned truncated integers)
     ],

@@ -158,6 +158,18 @@ def test_unknown_and_duplicate_names_and_bad_options():
         ModelConfig(residual={"options": {"x": 1}})
 
 
+def test_an_option_of_a_users_variant_given_beside_its_kind_is_named_under_options():
+    """``{"kind": "scaled_test", "init": 0.5}`` - the option beside the kind, not under
+    ``options`` - was refused as an unknown key, naming no field to use; the option is named
+    as ``options.init``. A built-in variant's (no options) gets the nearest field as before."""
+    with pytest.raises(ValueError, match=r"unknown ModelConfig.residual key\(s\) \['init'\] \(did you mean "
+                                         r"'options.init' for 'init'\?\)"):
+        ModelConfig(residual={"kind": "scaled_test", "init": 0.5})
+    with pytest.raises(ValueError, match=r"\['block_sise'\] \(did you mean 'block_size' for 'block_sise'\?\)"):
+        ModelConfig(residual={"kind": "attnres_block", "block_sise": 2})
+    assert ModelConfig(residual={"kind": "scaled_test", "options": {"init": 0.5}}).residual.options == {"init": 0.5}
+
+
 def test_a_residual_config_of_a_kind_not_registered_is_refused_as_it_is_built():
     """``ResidualConfig(kind="nope")`` on its own was accepted: only a ModelConfig using it
     refused the kind, away from where it was given. It is now refused as it is built, with

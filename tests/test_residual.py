@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -324,6 +325,34 @@ def test_start_resume_and_add_output_refuse_a_stream_they_cannot_keep(make):
         m.resume(history, "2")
 
 
+@pytest.mark.parametrize("make", [lambda: StandardResidual(8, 4), lambda: BlockAttnRes(8, 4, 2),
+                                  lambda: FullAttnRes(8, 4), lambda: BlockAttnRes(8, 4, 2, schedule="naive")])
+def test_a_resumed_stream_refuses_an_output_of_another_shape_than_its_history(make):
+    """A resumed state checked only ``d``: an output ``[1, 8]`` of a ``[2, 8]`` stream broadcast
+    into Block AttnRes' partial sum and finished, silently (Full failed later, naming its
+    sources). It is refused at ``add_output``, as before the cut."""
+    m = make()
+    resumed = m.resume(m.history(_run_to(m, torch.randn(2, 8), 2)), 2)
+    m.sublayer_input(resumed, 2)
+    with pytest.raises(ValueError, match=r"^add_output\(2\): sublayer 2's output must have the stream's shape \[2, 8\]"):
+        m.add_output(resumed, 2, torch.randn(1, 8))
+
+
+@pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4)])
+def test_a_query_of_another_shape_is_named_by_its_mixer(make):
+    """A query or gain assigned by hand in another shape failed inside the two-phase schedule,
+    "stack expects each tensor to be equal size" or "The size of tensor a (4) must match",
+    naming neither the mixer nor the shape; each is named, with the dim it must have."""
+    for what, bad in [("query", torch.zeros(1, 8)), ("query", torch.zeros(4)), ("key_norm.weight", torch.ones(2, 8))]:
+        m = make()
+        owner = m.mixers[2] if what == "query" else m.mixers[2].key_norm
+        setattr(owner, what.split(".")[-1], torch.nn.Parameter(bad))
+        with pytest.raises(ValueError, match=rf"^{type(m).__name__}: mixers\[2\]\.{re.escape(what)} must have shape "
+                                             rf"\(8,\) \(this residual's dim: one vector per mixer\), got "
+                                             rf"{re.escape(str(tuple(bad.shape)))}"):
+            _run_to(m, torch.randn(2, 3, 8), 4)
+
+
 def _run_to(m, x, at):
     state = m.start(x)
     for l in range(at):
@@ -520,12 +549,36 @@ def test_an_update_through_data_is_seen_by_the_no_grad_forward_after_eval(kind):
     for p in fast.parameters():
         p.data -= 0.5 * p.grad
     fast.eval()
+    _assert_the_no_grad_forward_sees_the_update(fast, sublayers, emb, before)
+
+
+def _assert_the_no_grad_forward_sees_the_update(fast, sublayers, emb, before) -> None:
+    """A no-grad forward of ``fast`` now: not ``before``, and what a forward with autograd (which
+    keeps nothing) computes."""
     with torch.no_grad():
         after, _ = run(fast, sublayers, emb)
     with torch.enable_grad():
         expected, _ = run(fast, sublayers, emb)
     assert not torch.equal(after, before)
     assert_rel_close(after, expected.detach(), TOL[torch.float64])
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_a_fused_optimizer_step_is_seen_by_the_next_no_grad_forward(kind):
+    """``AdamW(..., fused=True)`` updates the parameters in place without bumping their version
+    counters: the no-grad forward after its step inside the training loop (a sample, a
+    validation loss, no ``model.eval()`` in between) ran with the folded queries kept from the
+    no-grad forward before it - the old queries, silently."""
+    fast, _, sublayers = make_pair(kind, 6, 5)
+    emb = torch.randn(2, 3, 6, dtype=torch.float64)
+    opt = torch.optim.AdamW(fast.parameters(), lr=0.5, fused=True)
+    with torch.no_grad():
+        before, _ = run(fast, sublayers, emb)
+    run(fast, sublayers, emb)[0].square().sum().backward()
+    versions = [p._version for p in fast.parameters()]
+    opt.step()
+    assert [p._version for p in fast.parameters()] == versions  # (what the queries kept were keyed on)
+    _assert_the_no_grad_forward_sees_the_update(fast, sublayers, emb, before)
 
 
 class _Doubled(torch.nn.Module):
@@ -607,6 +660,11 @@ def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
                                                  r"attnres.nn.RMSNorm.*defer_norm=False"):
             read()
     assert not hasattr(x, "__deepcopy__") and not hasattr(x, "shape")
+    # (one that scales or slices it first, h * 0.5 or h[..., :4]: "unsupported operand type(s) for *:
+    # 'FusableNormInput' and 'float'", "'FusableNormInput' object is not subscriptable")
+    for op in (lambda: x * 0.5, lambda: 2 + x, lambda: -x, lambda: x[..., :4], lambda: x @ torch.eye(8)):
+        with pytest.raises(TypeError, match=r"operator .* was applied to a deferred sublayer input .*defer_norm=False"):
+            op()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
@@ -742,6 +800,20 @@ def test_build_residual_takes_a_variant_by_name_or_mapping_as_a_model_config_doe
         build_residual("attnres_blok", 8, 4)
     said = _warnings_of(lambda: build_residual({"kind": "attnres_block", "block_size": 8}, 8, 4))
     assert [m.split(" = ")[0] for m in said] == ["ModelConfig.residual.block_size"]
+
+
+def test_build_residual_takes_the_fields_of_a_name_or_mapping_as_keywords():
+    """``build_residual("attnres_block", d, L, block_size=2)`` was a TypeError, "unexpected
+    keyword argument 'block_size'": the keywords are fields, checked as a mapping's; a
+    ``ResidualConfig`` (complete) is refused with them, naming ``dataclasses.replace``."""
+    block = build_residual("attnres_block", 8, 4, block_size=2)
+    assert (block.name, block.block_size) == ("attnres_block", 2)
+    assert build_residual({"kind": "attnres_block", "block_size": 1}, 8, 4, block_size=4).block_size == 4
+    with pytest.raises(ValueError, match=r"\['blok_size'\] \(did you mean 'block_size'"):
+        build_residual("attnres_block", 8, 4, blok_size=2)
+    with pytest.raises(ValueError, match=r"a ResidualConfig takes no more fields \(\['block_size'\]\): .*"
+                                         r"dataclasses\.replace\(config, \.\.\.\)"):
+        build_residual(ResidualConfig(kind="attnres_block"), 8, 4, block_size=2)
 
 
 def test_a_variants_from_config_refuses_a_config_of_another_kind():

@@ -394,6 +394,17 @@ def test_depth_weights_are_recorded_and_uniform_at_conversion():
         assert torch.allclose(w, torch.full_like(w, 1 / w.shape[0]))
 
 
+def test_the_native_model_s_return_depth_weights_is_refused_naming_depth_weights():
+    """``up(ids, return_depth_weights=True)`` - the native model's keyword - reached the family's
+    attention through its ``**kwargs`` and was dropped there: an output without the weights, and
+    not a word. It is refused, naming ``depth_weights`` and ``depth_mixing``."""
+    up = upcycle(base_model("llama"), "attnres_block", block_size=4).eval()
+    with pytest.raises(ValueError, match=r"return_depth_weights is a keyword of attnres's own model \(AttnResLM\); .*"
+                                         r"model\.depth_weights\(input_ids\) .*model\.depth_mixing\(input_ids\)"):
+        up(ids(), return_depth_weights=True)
+    assert up(ids(), return_depth_weights=False).logits.shape[:2] == ids().shape
+
+
 @pytest.mark.parametrize("kind", ["standard", "mhc"])
 def test_depth_weights_of_a_residual_without_depth_attention_is_refused(kind):
     """It returned [] without a word, read as 'no sublayer'; the native model's

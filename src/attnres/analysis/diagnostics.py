@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..models.hf_registry import hf_hook
 from ..nn.compiled import uncompiled
 from ..nn.norm import norm_input_value
-from .mixing import OWN_MODEL_WAY
+from .mixing import OWN_MODEL_WAY, refuse_wrapper
 
 
 def _rms(x: Tensor) -> float:
@@ -43,6 +43,7 @@ def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.
         return [(layer, layer.attn, layer.mlp, layer.attn_norm) for layer in model.layers]
     if not hasattr(getattr(model, "config", None), "model_type"):  # (a model of the user's own: an AttributeError
         # on 'config', or on a layer's 'attn', from inside the hooks' set-up)
+        refuse_wrapper(model, "the block diagnostics")
         raise TypeError(f"the block diagnostics run AttnResLM, the attnres.hf models and transformers models of "
                         f"attnres.upcycle, whose blocks' attn, mlp and attn_norm they hook; got {type(model).__name__}; "
                         f"{OWN_MODEL_WAY}, and a forward hook on each of your sublayers gives its output")
@@ -53,9 +54,35 @@ def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.
 def depth_entropy(weights: Tensor) -> float:
     """The mean over batch and positions of the entropy (nats) of ``weights [sources, B, T]``
     (one mixer's depth-attention weights, as ``return_depth_weights`` gives them) over the
-    sources; ``0 log 0 = 0``."""
-    w = weights.detach().double()
+    sources; ``0 log 0 = 0``. Weights that do not sum to 1 over dim 0 (sources last, logits,
+    a mixing matrix's rows) are refused: their "entropy" was a number all the same."""
+    w = _one_mixers_weights(weights).detach().double()
     return float(-torch.special.xlogy(w, w).sum(0).mean()) + 0.0  # + 0.0: one source gives -0.0
+
+
+#: How far from 1 a position's weights may sum: softmax in float32 is within ~1e-6; a bf16 copy within ~1e-2.
+_WEIGHT_SUM_ATOL = 2e-2
+
+
+def _one_mixers_weights(weights: Any) -> Tensor:
+    """``weights`` as :func:`depth_entropy` reads them, ``[sources, ...]`` summing to 1 over
+    the sources, else ``ValueError`` naming the fix. ``state.weights`` (every mixer's, a list)
+    failed in "'list' object has no attribute 'detach'"; weights with the sources last
+    (``[B, T, sources]``, as a plot takes them) gave an entropy over the batch, silently."""
+    if isinstance(weights, (list, tuple)):
+        raise ValueError(f"depth_entropy takes one mixer's weights [n_sources, ...], got a {type(weights).__name__} of "
+                         f"{len(weights)} (every mixer's, as state.weights or depth_weights hold them): call it on each, "
+                         "[depth_entropy(w) for w in weights]")
+    if not isinstance(weights, Tensor) or weights.dim() < 1 or not weights.is_floating_point():
+        got = f"{weights.dtype} {tuple(weights.shape)}" if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(f"depth_entropy takes one mixer's weights, a floating-point tensor [n_sources, ...], got {got}")
+    sums = weights.detach().double().sum(0)
+    if sums.numel() and not bool(((sums - 1).abs() <= _WEIGHT_SUM_ATOL).all()):
+        raise ValueError(f"depth_entropy takes one mixer's weights [n_sources, ...] summing to 1 over the sources (dim "
+                         f"0); those given {tuple(weights.shape)} sum to {float(sums.min()):.4g} .. "
+                         f"{float(sums.max()):.4g} over dim 0: sources last ([..., n_sources])? pass "
+                         "weights.movedim(-1, 0); logits? pass their softmax over the sources")
+    return weights
 
 
 def _first(out):

@@ -79,7 +79,15 @@ def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
     (zeros for ``n = 0``: a 0x0 matrix has rank 0).
     A stack is ranked :data:`RANK_CHUNK` matrices at a time: its float64 copy and the SVDs'
     workspace are those matrices', not the stack's (Highway's per-channel stack is ``d``
-    times the per-token one)."""
+    times the per-token one).
+
+    ``M`` may be a :class:`MixingMatrix` (``residual.mixing_matrix(state)``): its ``weights``,
+    or for a variant that mixes channel by channel the largest rank over its ``per_channel``
+    matrices (the report's rank; its ``weights`` are their mean, refused without them)."""
+    if isinstance(M, MixingMatrix):
+        if M.per_channel is not None:  # [..., n, n, d] -> the largest over the channels, [...]
+            return semiseparable_rank(M.per_channel.movedim(-1, -3), rtol).amax(-1)
+        M = _exact_weights(M, "semiseparable_rank")
     _refuse_unless_lower_triangular(M)
     n = M.shape[-1]
     # (integer or boolean entries are exact: float64's tolerance; torch.finfo refused their dtype)
@@ -87,6 +95,16 @@ def semiseparable_rank(M: Tensor, rtol: float | None = None) -> Tensor:
     if n == 0:  # (a 0x0 mixing matrix - no sources - has rank 0: there are no blocks to stack the ranks of)
         return torch.zeros(M.shape[:-2], dtype=torch.long, device=M.device)
     return _ranks_in_chunks(M.detach(), rtol)
+
+
+def _exact_weights(mm: MixingMatrix, reader: str) -> Tensor:
+    """``mm.weights`` where they are what the variant applies; a reduction of per-channel
+    weights (Highway, LayerScale) is refused, naming the call that keeps them."""
+    if mm.reduction is not None:
+        raise ValueError(f"{reader} of a MixingMatrix whose weights are the {mm.reduction} of what the variant applies: "
+                         "record it with residual.mixing_matrix(state, per_channel=True) (the rank is the largest over "
+                         "the channels), or pass its .weights for the reduced matrix")
+    return mm.weights
 
 
 #: How many matrices of a stack :func:`semiseparable_rank` ranks at once.
@@ -257,12 +275,24 @@ class MixingForward:
 OWN_MODEL_WAY = ("for a model of your own that drives a residual module (README 'AttnRes in your own PyTorch model'), "
                  "start its forward with state = residual.start(x, record_weights=True): after residual.finish(state), "
                  "state.weights holds each mixer's depth weights [n_sources, ...] (depth_entropy takes each) and "
-                 "residual.mixing_matrix(state) the depth mixing matrix (semiseparable_rank and source_stats take "
-                 "its weights)")
+                 "residual.mixing_matrix(state) the depth mixing matrix (semiseparable_rank and source_stats measure "
+                 "it)")
+
+
+def refuse_wrapper(model: object, who: str) -> None:
+    """``TypeError`` where ``model`` is a wrapper of the model (``DistributedDataParallel``, any
+    module holding it as ``.module``), naming ``.module``: ``depth_mixing_matrix(ddp_model, ids)``
+    was told to start a forward of its own with ``record_weights`` - the way for a model of
+    one's own, not for an AttnResLM behind DDP."""
+    wrapped = getattr(model, "module", None) if isinstance(model, nn.Module) else None
+    if isinstance(wrapped, nn.Module) and hasattr(wrapped, "residual"):  # (an attnres model, or a compiled one)
+        raise TypeError(f"{who} takes the model itself; got {type(model).__name__} around {type(wrapped).__name__}: "
+                        f"give it the wrapper's .module (the model it wraps)")
 
 
 def _trunk(model: nn.Module):
     if not all(hasattr(model, a) for a in ("decode", "residual", "embed_tokens")):
+        refuse_wrapper(model, "depth mixing analysis")
         raise TypeError(f"depth mixing analysis runs models with the attnres decoder trunk (AttnResLM, the attnres.hf "
                         f"models) and transformers models of attnres.upcycle; got {type(model).__name__}; "
                         f"{OWN_MODEL_WAY}")
@@ -313,7 +343,10 @@ def _recorded_mixing(model: nn.Module, input_ids: Tensor, per_channel: bool = Fa
 def source_stats(per_token: Tensor) -> list[SourceStats]:
     """The sink table of per-token matrices ``[N, n, n]`` (``N`` tokens, or 1): a
     :class:`MixingMatrix`'s ``weights`` as they are, ``[B, T, n, n]`` or ``[n, n]`` (one
-    matrix for every token), whose leading dimensions count the tokens."""
+    matrix for every token), whose leading dimensions count the tokens; or the
+    :class:`MixingMatrix` itself."""
+    if isinstance(per_token, MixingMatrix):  # (its weights: a sink is a source's weight, per token)
+        per_token = per_token.weights
     if not isinstance(per_token, Tensor) or per_token.dim() < 2 or per_token.shape[-1] != per_token.shape[-2]:
         got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
         raise ValueError(f"source_stats takes mixing matrices [..., n, n] (a MixingMatrix's weights), got {got}")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..output_paths import save_figure_atomically
+from ..nn.residual.mixing import MixingMatrix
 from .mixing import RANK_RTOL, SINK_MAX_CV, SINK_RATIO, DepthMixing
 
 if TYPE_CHECKING:
@@ -115,7 +116,8 @@ def _label(i: int, n: int) -> str:
 
 def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | None]], path: str | Path | None = None,
                        diff: tuple[str, torch.Tensor] | None = None, one_scale: bool = False) -> Figure:
-    """One Fig.-9-style panel per ``(title, M [L+1, L+1], source_groups)``: ``M`` on and below
+    """One Fig.-9-style panel per ``(title, M [L+1, L+1], source_groups)`` (or per
+    :class:`DepthMixing`; ``M`` a :class:`MixingMatrix` too, averaged over its tokens): ``M`` on and below
     the diagonal, blank above, each panel on its own colour scale, or with ``one_scale`` all of
     them on one (one norm, one colour bar: ``attnres analyze --compare``, where one colour on
     two scales was two weights and the panels looked alike whatever their difference); block
@@ -125,7 +127,7 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
     left as they are)."""
     from matplotlib.figure import Figure
 
-    items = [(title, _lower_triangle(M), groups) for title, M, groups in panels]
+    items = [(title, _lower_triangle(M), groups) for title, M, groups in _panels(panels)]
     items += [(diff[0], _lower_triangle(diff[1]), None)] if diff is not None else []
     shared = _shared_norm([A for _, A, _ in items[: len(panels)]]) if one_scale else None
     # (a colour bar beside two panels: constrained layout places it, tight_layout cannot)
@@ -168,6 +170,33 @@ def _say_nothing_to_show(ax) -> None:
     """Write across an empty panel that it has no finite value, so a blank is not read as a drawing."""
     ax.text(0.5, 0.5, "nothing to show:\nno finite value", transform=ax.transAxes, ha="center", va="center",
             fontsize=9, color="0.3")
+
+
+def _panels(panels) -> list[tuple[str, torch.Tensor, list[range] | None]]:
+    """``panels`` as :func:`plot_mixing_panels` draws them, ``(title, M [n, n], source_groups)``
+    each, else ``ValueError`` naming the fix. A :class:`DepthMixing` is its own panel (titled by
+    its residual) and a :class:`MixingMatrix` is averaged over its tokens, as ``depth_mixing_matrix``
+    averages; one panel not in a list, or a per-token ``M``, failed inside ("'str' object has no
+    attribute 'detach'", "Invalid shape (2, 16, 9, 9) for image data")."""
+    if isinstance(panels, (DepthMixing, str)) or (isinstance(panels, tuple) and panels and isinstance(panels[0], str)):
+        raise ValueError("plot_mixing_panels takes a list of panels, one (title, M, source_groups) each: for one, "
+                         "[(title, M, source_groups)]")
+    out = []
+    for k, panel in enumerate(panels):
+        if isinstance(panel, DepthMixing):
+            panel = (panel.residual, panel.matrix, panel.source_groups)
+        if not (isinstance(panel, (tuple, list)) and len(panel) == 3 and isinstance(panel[0], str)):
+            raise ValueError(f"plot_mixing_panels: panels[{k}] must be (title, M [n, n], source_groups) or a "
+                             f"DepthMixing, got {type(panel).__name__}")
+        title, M, groups = panel
+        if isinstance(M, MixingMatrix):
+            M = M.weights.reshape(-1, *M.weights.shape[-2:]).mean(0)
+        if not isinstance(M, torch.Tensor) or M.dim() != 2 or M.shape[0] != M.shape[1]:
+            got = tuple(M.shape) if isinstance(M, torch.Tensor) else type(M).__name__
+            raise ValueError(f"plot_mixing_panels: panels[{k}] ({title!r}) needs one matrix M [n, n], got {got}: "
+                             "for per-token matrices [..., n, n] pass their mean, M.reshape(-1, n, n).mean(0)")
+        out.append((title, M, groups))
+    return out
 
 
 def _lower_triangle(M: torch.Tensor) -> np.ndarray:

@@ -249,7 +249,12 @@ def _refuse_unreturned_outputs(config: AttnResConfig, kwargs: dict) -> None:
     """Refuse ``output_hidden_states`` / ``output_attentions`` (in the call or the config),
     which transformers models honour and these would silently drop: the native decoder keeps
     no per-layer record (the residual is a depth mixture, not one stream per layer, and the
-    attention runs fused)."""
+    attention runs fused); and ``return_depth_weights``, the native model's keyword, which the
+    ``**kwargs`` took and dropped: an output without the weights, and not a word."""
+    if kwargs.get("return_depth_weights"):
+        raise ValueError("return_depth_weights=True is a keyword of attnres's own model (AttnResLM), not of its "
+                         "transformers wrapper: the depth-attention weights come from "
+                         "model.to_native()(input_ids, return_depth_weights=True).depth_weights")
     for name in ("output_hidden_states", "output_attentions"):
         if kwargs.get(name, getattr(config, name, False)):
             raise ValueError(

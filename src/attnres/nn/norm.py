@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,15 @@ class FusableNormInput:
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(f".{name} was read from {self.MISUSE}")
+
+    def _refuse_operator(self, *_args: Any) -> NoReturn:
+        raise TypeError(f"an operator (+, *, @, [...]) was applied to {self.MISUSE}")
+
+    # (a sublayer that scales or slices its input first, h * 0.5 or h[..., :k], was told only
+    # "unsupported operand type(s) for *: 'FusableNormInput' and 'float'"; a tensor operand
+    # reaches __torch_function__ above)
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse_operator
+    __matmul__ = __rmatmul__ = __pow__ = __neg__ = __getitem__ = _refuse_operator
 
     def __init__(self, compute: Callable[[Tensor | None, float | None], Tensor]) -> None:
         self._compute = compute

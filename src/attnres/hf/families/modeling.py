@@ -149,6 +149,17 @@ def adjust_eps(residual: ResidualStream, layers, final_norm: nn.Module, layout: 
         _set_eps(final_norm, eps / counts[-1] ** 2)
 
 
+def _refuse_native_keywords(kwargs: dict) -> None:
+    """``model(ids, return_depth_weights=True)``, the native model's keyword, reached the family's
+    attention through its ``**kwargs`` and was dropped there: an output without the weights, and
+    not a word. Refused, naming the methods that record them."""
+    if kwargs.get("return_depth_weights"):
+        raise ValueError("return_depth_weights is a keyword of attnres's own model (AttnResLM); a transformers model "
+                         "of attnres.upcycle records the depth weights with model.depth_weights(input_ids) (one "
+                         "[n_sources, batch, seq] tensor per sublayer, then the output aggregation) and its depth "
+                         "mixing matrix with model.depth_mixing(input_ids)")
+
+
 def _layer_forward(self, hidden_states, **kwargs):
     """A decoder layer of an upcycled model: its two sublayers on inputs from the residual.
 
@@ -158,6 +169,7 @@ def _layer_forward(self, hidden_states, **kwargs):
     stream, index, layout = self.__dict__["_attnres"]
     residual = stream.residual
     if index == 0:
+        _refuse_native_keywords(kwargs)
         stream.onloaded = onload(residual)
         stream.state = residual.start(hidden_states, record_weights=stream.record_weights)
     state = stream.state

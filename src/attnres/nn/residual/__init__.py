@@ -11,6 +11,8 @@
 """
 
 # Registration order is the order of registered_residuals(): standard, Full, Block, baselines.
+from typing import Any
+
 from .standard import SingleStreamResidual, StandardResidual  # noqa: I001
 from .full import FullAttnRes
 from .block import BlockAttnRes
@@ -22,7 +24,7 @@ from .query import DepthQuery
 from .registry import register_residual, registered_residuals, residual_class, validate_residual_config
 
 
-def build_residual(config: ResidualConfig | str | dict, dim: int, n_sublayers: int) -> ResidualStream:
+def build_residual(config: ResidualConfig | str | dict, dim: int, n_sublayers: int, **fields: Any) -> ResidualStream:
     """The module ``config`` names, built by its registered class (with the stream storage
     ``config.autocast_stream`` asks for, which every variant's ``start`` and ``resume`` apply,
     and AttnRes' Phase-1 sums in the autocast dtype where ``config.autocast_phase1_sums``).
@@ -31,7 +33,11 @@ def build_residual(config: ResidualConfig | str | dict, dim: int, n_sublayers: i
     or a mapping of its fields, e.g. any variant in a model of one's own,
     ``build_residual("highway", dim=256, n_sublayers=8)``. A name or a mapping is checked as a
     model's config is (:func:`validate_residual_config`); a ``ResidualConfig`` is taken as its
-    model checked it."""
+    model checked it. ``fields``: more fields of a name or a mapping,
+    ``build_residual("attnres_block", 256, 8, block_size=2)`` (it was a ``TypeError``, "unexpected
+    keyword argument 'block_size'")."""
+    if fields:
+        config = _with_fields(config, fields)
     if not isinstance(config, ResidualConfig):  # (a name or a mapping: "'str' object has no attribute 'kind'")
         config = ResidualConfig.from_value(config)
         validate_residual_config(config, dim, n_sublayers)
@@ -40,6 +46,18 @@ def build_residual(config: ResidualConfig | str | dict, dim: int, n_sublayers: i
     if config.autocast_phase1_sums:  # (validate_residual_config: an AttnRes variant's two-phase schedule)
         module.autocast_phase1_sums = True
     return module
+
+
+
+def _with_fields(config: ResidualConfig | str | dict, fields: dict[str, Any]) -> dict:
+    """``config`` (a name or a mapping) as a mapping with ``fields`` added; a ``ResidualConfig``
+    is complete as it is and refused, naming the way to change it."""
+    if isinstance(config, ResidualConfig):
+        raise ValueError(f"build_residual: a ResidualConfig takes no more fields ({sorted(fields)}): change it with "
+                         "dataclasses.replace(config, ...), or pass its kind's name with them")
+    if isinstance(config, str):
+        return {"kind": config, **fields}
+    return {**config, **fields} if isinstance(config, dict) else config  # (anything else: refused as it is)
 
 
 __all__ = [

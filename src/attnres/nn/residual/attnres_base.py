@@ -134,6 +134,30 @@ def _keeps_nothing() -> bool:
     return torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
+#: Optimizer steps taken in this process (any ``torch.optim.Optimizer``), counted from the first
+#: kept queries on: part of their key (:meth:`AttnResBase.folded_queries`). A fused optimizer
+#: (``AdamW(..., fused=True)``) updates the parameters in place without bumping their version
+#: counters, and the next no-grad forward (a sample or a validation loss inside the training loop,
+#: without ``model.eval()``) ran on the queries from before the step, silently.
+_optimizer_steps = [0]
+_step_hook: Any = None
+
+
+def _count_step(_optimizer, _args, _kwargs) -> None:
+    _optimizer_steps[0] += 1
+
+
+def _steps_so_far() -> int:
+    """:data:`_optimizer_steps`, counting from the first call on (the hook is registered then:
+    importing attnres adds no global optimizer hook)."""
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(_count_step)
+    return _optimizer_steps[0]
+
+
 def _fake(weight: Tensor | None) -> bool:
     """Whether ``weight`` is a fake tensor or the forward runs under a ``FakeTensorMode``."""
     return isinstance(weight, FakeTensor) or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
@@ -291,7 +315,8 @@ class AttnResBase(ResidualStream):
         """``[L + 1, d]``: every mixer's query with its key-norm gain folded in.
 
         Without autograd (inference, decoding) the result is kept until a query or gain
-        changes (their version counters and storage are the key): decoding runs the residual
+        changes (their version counters and storage are the key, and the count of optimizer
+        steps taken: a fused optimizer bumps no version counter): decoding runs the residual
         once per token, and rebuilding this costs ~3 small ops per sublayer each time. A change
         through ``.data`` (``p.data -= lr * p.grad``) bumps no version counter: it is seen
         after the module's ``train()`` or ``eval()``, which drop what was kept."""
@@ -301,7 +326,24 @@ class AttnResBase(ResidualStream):
 
     def _fold(self, dtype: torch.dtype) -> list[Tensor]:
         compute = compute_dtype(dtype)
-        return [m.folded_query(compute) for m in self.mixers]
+        try:
+            folded = [m.folded_query(compute) for m in self.mixers]
+        except RuntimeError:  # (a query and gain that do not broadcast: "The size of tensor a (4) must match ...")
+            self._refuse_bad_queries()
+            raise
+        if any(f.shape != (self.dim,) for f in folded):  # (else "stack expects each tensor to be equal size")
+            self._refuse_bad_queries()
+        return folded
+
+    def _refuse_bad_queries(self) -> None:
+        """``ValueError`` naming the first mixer whose query or key-norm gain is not ``[dim]``
+        (one assigned or loaded by hand, ``mixers[2].query = nn.Parameter(torch.zeros(1, d))``)."""
+        for i, m in enumerate(self.mixers):
+            for what, t in (("query", m.query), ("key_norm.weight", m.key_norm.weight)):
+                if tuple(t.shape) != (self.dim,):
+                    raise ValueError(f"{type(self).__name__}: mixers[{i}].{what} must have shape ({self.dim},) (this "
+                                     f"residual's dim: one vector per mixer), got {tuple(t.shape)}; assign a "
+                                     f"parameter of that shape, or load a checkpoint of a residual of dim {self.dim}")
 
     def _kept_queries(self, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
         """The kept ``[L + 1, d]`` folded queries and their rows (see :meth:`folded_queries`)."""
@@ -312,7 +354,7 @@ class AttnResBase(ResidualStream):
         # step of a graphed decode).
         if _fake(self.mixers[0]._parameters.get("query")):
             return self._stacked(dtype)
-        key: list[Any] = [compute_dtype(dtype)]
+        key: list[Any] = [compute_dtype(dtype), _steps_so_far()]
         for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
             q, g = m._parameters.get("query"), m._modules["key_norm"]._parameters.get("weight")
             if q is None or g is None:  # (parametrized, torch.nn.utils.parametrize: a value computed at each read

@@ -50,8 +50,8 @@ class ResidualState:
 
     dtype: the residual stream's dtype (the embedding's); outputs are cast to it.
     device: the residual stream's device, where every sublayer output must be.
-    shape: the embedding's shape, which every sublayer output must have (``None`` in a
-        resumed state: there only ``d`` is checked).
+    shape: the embedding's shape, which every sublayer output must have (in a resumed state
+        the history's, ``None`` where its tensors differ: there only ``d`` is checked).
     next_sublayer: the sublayer whose input comes next (``L`` once all outputs are in).
     expecting_output: ``sublayer_input`` was called and ``add_output`` has not been yet.
     weights: when recording, the depth weights of every mixer so far, ``[n_sources, ...]``.
@@ -115,6 +115,15 @@ def _option_spellings(name: str) -> str:
     """How the commands set residual option ``name``: ``attnres train``'s override and
     ``attnres upcycle``'s flag (an error under upcycle named train's spelling only)."""
     return f"model.residual.options.{name}=VALUE (attnres train), --residual-option {name}=VALUE (attnres upcycle)"
+
+
+def _one_shape(history: DepthHistory) -> tuple[int, ...] | None:
+    """The shape every tensor of ``history`` has, which each later output must have; ``None``
+    where they differ (then only ``d`` is checked). A resumed state checked ``d`` alone: an
+    output ``[1, T, d]`` of a stream ``[B, T, d]`` broadcast into Block AttnRes' partial sum,
+    silently."""
+    shapes = {tuple(t.shape) for t in [*history.completed, *([] if history.running is None else [history.running])]}
+    return shapes.pop() if len(shapes) == 1 else None
 
 
 class ResidualStream(DrivenModule, ABC):
@@ -277,6 +286,25 @@ class ResidualStream(DrivenModule, ABC):
             fix = ("materialise them: residual.to_empty(device=...) then residual.reset_parameters()"
                    if param.device.type == "meta" else f"move one to the other's device (residual.to({str(x.device)!r}))")
             raise ValueError(f"{where} is on {x.device} but this residual's parameters are on {param.device}; {fix}")
+        if param is not None and type(param) is not nn.Parameter:
+            self._refuse_sharded(where, param, x)
+
+    def _refuse_sharded(self, where: str, param: Tensor, x: Tensor) -> None:
+        """``ValueError`` where ``param`` is a DTensor and ``x`` a plain tensor: FSDP2 applied to
+        the residual itself (``fully_shard(model.residual)``, as a loop over every module does)
+        gathers its parameters when it is called, and the residual is never called; the forward
+        failed deep in the depth attention ("aten.mm.default got mixed torch.Tensor and DTensor")."""
+        if not torch.distributed.is_available():  # (a build without it has no DTensor; a fake tensor passes)
+            return
+        from torch.distributed.tensor import DTensor  # (only for a parameter that is a tensor subclass)
+
+        if isinstance(param, DTensor) and not isinstance(x, DTensor):
+            raise ValueError(f"{where} is a plain tensor but the parameters of residual {self._label()} are sharded "
+                             f"DTensors ({param.placements}), as fully_shard(residual) leaves them: FSDP2 gathers a "
+                             "module's parameters when the module is called, and the residual is driven through "
+                             "start/sublayer_input/add_output/finish, never called. Leave it out of fully_shard and "
+                             "shard the module whose forward drives it (fully_shard(model): the residual's parameters "
+                             "join the root's unit)")
 
     def _stored(self, x: Tensor) -> Tensor:
         """``x`` in the stream's storage dtype: the autocast dtype where ``autocast_stream``
@@ -337,7 +365,7 @@ class ResidualStream(DrivenModule, ABC):
 
     def add_output(self, state: ResidualState, l: int, output: Tensor) -> None:
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
-        embedding's shape (``[..., d]`` after ``resume``) on its device; cast to the stream's
+        embedding's shape (after ``resume``, the history's) on its device; cast to the stream's
         dtype."""
         self._check_state(state, "add_output(state, l, output)")
         if l != state.next_sublayer or not state.expecting_output:
@@ -415,6 +443,7 @@ class ResidualStream(DrivenModule, ABC):
         state = self._checked_state(self._resume(history, at_sublayer, common), common,
                                     "_resume(history, at_sublayer, common)")
         state.next_sublayer = at_sublayer
+        state.shape = _one_shape(history)
         return state
 
     # -- what a variant describes --------------------------------------------------------

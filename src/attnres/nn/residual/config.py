@@ -14,6 +14,7 @@ with a ``DeprecationWarning``: :mod:`attnres.migrations` migrates them.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,13 +234,28 @@ class ResidualConfig:
             return cls(kind=value)
         if isinstance(value, dict):
             value = migrate_residual_keys(value)
-            Fields("ModelConfig.residual").known_keys(value, _FIELDS)
+            Fields("ModelConfig.residual").known_keys(value, _FIELDS, {"options": _own_options(value.get("kind"))})
             return cls(**value)
         raise ValueError(f"ModelConfig.residual must be a residual name, a mapping of ResidualConfig fields or a "
                          f"ResidualConfig; got {value!r}")
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ResidualConfig)}
+
+
+def _own_options(kind: Any) -> list[str]:
+    """The keyword arguments of the ``__init__`` of ``kind``, a variant of the user's own: its
+    ``options``. One given beside ``kind`` (``{"kind": "scaled", "init": 0.5}``) was refused as
+    an unknown key, the nearest field named; it is named as ``options.init``. (Built-in variants
+    take their settings as fields, and no options.)"""
+    try:
+        variant = residual_class(kind)
+    except ValueError:  # (a kind not registered is refused, naming the registered ones, by the config)
+        return []
+    if variant.builtin():
+        return []
+    params = list(inspect.signature(variant.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 _ABLATION_FIELDS = {f.name for f in dataclasses.fields(AttnResAblation)}
 
 _RENAMED_ATTRIBUTES = {old: (new,) for old, new in RESIDUAL_RENAMES.items()}

@@ -39,11 +39,22 @@ __all__ = [
 ]
 
 
+def _not_a_list(sources: object) -> str:
+    """What was given for the list of sources, and the list it stands for: a stacked tensor
+    ``[n, ..., d]`` or a generator was named by its type alone ("got Tensor")."""
+    if isinstance(sources, Tensor):
+        return (f"a tensor of shape {tuple(sources.shape)}: for sources stacked along dim 0 pass "
+                "list(sources.unbind(0)); for one source, [source]")
+    if hasattr(sources, "__iter__"):
+        return f"{type(sources).__name__}: pass list(...) of it"
+    return type(sources).__name__
+
+
 def check_sources(sources: Sequence[Tensor], what: str = "sources") -> None:
     """Raise ``ValueError`` unless ``sources`` is a non-empty sequence of floating-point
     tensors that share one shape ``[..., d]``, one dtype and one device."""
     if isinstance(sources, Tensor) or not isinstance(sources, Sequence):
-        raise ValueError(f"{what} must be a non-empty list or tuple of tensors, got {type(sources).__name__}")
+        raise ValueError(f"{what} must be a non-empty list or tuple of tensors, got {_not_a_list(sources)}")
     if len(sources) == 0:
         raise ValueError(f"{what} must be non-empty: depth attention needs at least one source")
     first = sources[0]
@@ -303,7 +314,9 @@ def check_phase1(qg: Tensor, sources: Sequence[Tensor], out_dtype: torch.dtype |
     d = sources[0].shape[-1]
     if not isinstance(qg, Tensor) or qg.dim() != 2 or qg.shape[-1] != d:
         got = tuple(qg.shape) if isinstance(qg, Tensor) else type(qg).__name__
-        raise ValueError(f"qg must have shape [S, {d}] (S queries of the sources' d = {d}), got {got}")
+        # (one query [d], as depth_attention takes it, was answered with the shape alone)
+        one = "; one query: qg[None]" if isinstance(qg, Tensor) and qg.shape == (d,) else ""
+        raise ValueError(f"qg must have shape [S, {d}] (S queries of the sources' d = {d}), got {got}{one}")
     if qg.device != sources[0].device:
         raise ValueError(f"qg is on {qg.device} but the sources are on {sources[0].device}")
 
