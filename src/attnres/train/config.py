@@ -769,9 +769,11 @@ def _note_left_out(path: str | Path, left_out: dict[str, Any]) -> None:
     from ..user_warning import warn_user
 
     values = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in left_out.items())
-    warn_user(f"config file {str(path)!r} is a training run's config: left out its {values}, which were that run's "
-              "last invocation's (when it stopped, whether it resumed), not its model, data or schedule; give them "
-              "as overrides to set them for this one")
+    one = len(left_out) == 1
+    warn_user(f"config file {str(path)!r} is a training run's config: left out its {values}, which "
+              f"{'was' if one else 'were'} that run's last invocation's (when it stopped, whether it resumed), not its "
+              f"model, data or schedule; give {'it as an override' if one else 'them as overrides'} to set "
+              f"{'it' if one else 'them'} for this one")
 
 
 def _is_a_runs_config(path: Path) -> bool:
