@@ -320,8 +320,10 @@ def _verify_files_read(path: Path, names: set[str], verified: dict[str, Any] | N
     same name, in an out_dir the nodes do not share) is not what rank 0 checked."""
     state = read_checkpoint_state(path, only=names)
     verify_dcp_files(path, state)
-    theirs = (verified or {}).get("files") or {}
-    other = sorted(name for name in names if verified is not None and state["files"].get(name) != theirs.get(name))
+    if verified is None:
+        return
+    theirs = verified.get("files") or {}
+    other = sorted(name for name in names if state["files"].get(name) != theirs.get(name))
     if other:
         raise CheckpointError(f"checkpoint {str(path)!r} is not the one rank 0 verified: {other[0]} differs from "
                               "rank 0's copy (out_dir must be on a file system every node shares)")
