@@ -731,7 +731,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
     (:func:`config_path`). A variant-specific residual field given for a variant that does
-    not read it is warned of (:func:`_residual_fields_chosen`)."""
+    not read it is warned of (:func:`_residual_fields_chosen`). A training run's ``config.json``
+    as the file leaves out its :data:`INVOCATION_FIELDS` (``stop_after``, ...), with a warning."""
     config, given = configured(path, overrides)
     warn_unread_residual_fields(given, config.model)
     return config
