@@ -179,6 +179,33 @@ def test_a_single_block_is_warned_of_once_where_the_hf_config_is_stated(tmp_path
     assert len(single(lambda: AttnResConfig.from_model_config(native))) == 1
 
 
+def test_a_single_block_hf_config_read_back_in_python_is_not_warned_of_again(tmp_path):
+    """``AttnResConfig(**config.to_dict())`` of a single block (block_size=4 of 2 layers) repeated
+    the warning that stating ``config`` gave, as ``ModelConfig(**native.to_dict())`` no longer
+    does: a config read back in Python is quiet, and so are the models built of it, while
+    ``from_pretrained(dir)`` (from_dict, a config.json) still says it once and a residual
+    stated anew, or a block size changed after the read-back, is warned of."""
+    from transformers import AutoModelForCausalLM
+
+    def single(call) -> int:
+        return len(warned(call, "single block"))
+
+    fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
+    made = []
+    assert single(lambda: made.append(AttnResConfig(**fields, residual={"block_size": 4}))) == 1
+    config = made[0]
+    assert single(lambda: made.append(AttnResConfig(**config.to_dict()))) == 0
+    assert single(lambda: AttnResConfig(**config.to_diff_dict())) == 0
+    again = made[-1]
+    assert again.residual == config.residual
+    assert single(lambda: AutoModelForCausalLM.from_config(again)) == 0
+    config.save_pretrained(tmp_path)
+    assert single(lambda: AttnResConfig.from_pretrained(tmp_path)) == 1
+    assert single(lambda: AttnResConfig(**{**config.to_dict(), "residual": {"block_size": 4}})) == 1
+    again.residual["block_size"] = 8
+    assert single(again.to_model_config) == 1
+
+
 def test_a_residual_field_changed_on_an_hf_config_is_warned_of_once_as_its_single_block_is(tmp_path):
     """``config.residual["block_size"] = 4`` on a Full AttnRes ``AttnResConfig``, then a model of
     it: to_model_config() read the config quietly, so the model was built as if S were not

@@ -695,6 +695,16 @@ def worker(root: Path) -> None:
         (root / "damaged on rank 1").write_text(damage(own).name)
     dist.barrier()
     attempt("damaged on rank 1", lambda: load_sharded(intact if rank == 0 else own, params))
+    # (the trainer's load: rank 0 verified the checkpoint when it found it, and every rank has its state.json)
+    verified = read_checkpoint_state(intact)
+    attempt("damaged on rank 1, verified on rank 0",
+            lambda: load_sharded(intact if rank == 0 else own, params, verified=verified))
+    attempt("verified on rank 0", lambda: load_sharded(intact, params, verified=verified))
+    with torch.no_grad():  # (another run's step-00000004: whole, of other weights)
+        model.weight.add_(1.0)
+    other = save_sharded(root / "node2", 4, params, torch.optim.AdamW(model.parameters()), {}, keep=1)
+    attempt("another checkpoint on rank 1", lambda: load_sharded(intact if rank == 0 else other, params,
+                                                                 verified=verified))
     (root / f"rank{rank}.json").write_text(json.dumps(ended))
     dist.barrier()  # (every rank has answered: none was left waiting)
     dist.destroy_process_group()
@@ -747,6 +757,7 @@ def test_a_run_state_json_cannot_hold_on_rank_0_stops_every_rank(two_ranks):
 @pytest.mark.parametrize(("scenario", "where", "seen"), [
     ("damaged", ("run", "checkpoints", "step-00000001"), ""),
     ("damaged on rank 1", ("node1", "checkpoints", "step-00000004"), " (as rank 1 sees it)"),
+    ("damaged on rank 1, verified on rank 0", ("node1", "checkpoints", "step-00000004"), " (as rank 1 sees it)"),
 ])
 def test_load_sharded_of_a_damaged_checkpoint_fails_on_every_rank_together(two_ranks, scenario, where, seen):
     """On several ranks ``load_sharded`` verifies the checkpoint (rank 0 hashes every file, as the
@@ -754,12 +765,29 @@ def test_load_sharded_of_a_damaged_checkpoint_fails_on_every_rank_together(two_r
     and none is left waiting in DCP's collectives for a rank that raised alone. Rank 0 alone
     verified it: a rank reading another copy (an out_dir the nodes do not share) loaded its
     damaged shard as it was, or failed alone in DCP's words; each rank now verifies the files it
-    reads, and the error names the rank that found it."""
+    reads, and the error names the rank that found it. So it does where rank 0 verified the
+    checkpoint before (``verified=``, the trainer's resume and init_from), which was checked on
+    rank 0 alone; an intact one loads on every rank."""
     root, ended = two_ranks
-    shard = (root / scenario).read_text()
+    shard = (root / scenario.partition(",")[0]).read_text()
     assert ended[0][scenario] == ended[1][scenario] == (
         f"CheckpointError: checkpoint {str(root.joinpath(*where))!r} is corrupted: dcp/{shard} does not match its "
         f"SHA-256 in state.json{seen}"), ended
+    assert ended[0]["verified on rank 0"] == ended[1]["verified on rank 0"] == "done", ended
+
+
+@pytest.mark.slow  # (the same launch)
+def test_a_rank_s_copy_of_another_checkpoint_than_rank_0_verified_is_refused_on_every_rank(two_ranks):
+    """The trainer's load (``verified=``: rank 0 verified the checkpoint it found) where rank 1's
+    out_dir holds another checkpoint of the same name, whole by its own state.json (another
+    run's ``step-00000004``, an out_dir the nodes do not share): rank 1 loaded other weights
+    than rank 0's, without a word. Its files are checked against what rank 0 verified."""
+    root, ended = two_ranks
+    assert ended[0]["another checkpoint on rank 1"] == ended[1]["another checkpoint on rank 1"], ended
+    assert ended[1]["another checkpoint on rank 1"].startswith(
+        f"CheckpointError: checkpoint {str(root / 'node2' / 'checkpoints' / 'step-00000004')!r} is not the one rank 0 "
+        "verified: dcp/"), ended
+    assert ended[1]["another checkpoint on rank 1"].endswith(" (as rank 1 sees it)"), ended
 
 
 if __name__ == "__main__":

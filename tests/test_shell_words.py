@@ -95,6 +95,33 @@ def test_a_stopped_runs_commands_paste_back_to_it(tmp_path, capsys):
            "out_dir=DIR` (fresh optimiser" in str(refused.value)
 
 
+def test_the_train_on_command_of_a_stopped_resumed_run_trains_to_its_steps(tmp_path, capsys):
+    """The train-on command a refused ``steps`` change prints (``--config RUN/config.json
+    init_from=CHECKPOINT out_dir=DIR``), run as printed with DIR filled in and the longer
+    ``steps`` asked for: the run's config.json held its last invocation's ``stop_after=2`` and
+    ``resume=true``, so the new run stopped at step 2 without reaching its steps, or was refused
+    as no run to resume. Left out with a note, it trains to its ``steps``; stated again as
+    overrides, they are this run's."""
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "text.txt", n_lines=100)
+    run = tmp_path / "run"
+    assert cli_main(["train", *overrides(corpus, run, steps=3, stop_after=1, warmup_steps=0)]) == 0
+    assert cli_main(["train", f"out_dir={run}", "--resume", "stop_after=2"]) == 0  # (config.json: resume=true)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["train", f"out_dir={run}", "--resume", "steps=4"])
+    (train_on,) = [c for c in _commands(str(refused.value)) if "--config" in c]
+    train_on = [f"out_dir={tmp_path / 'longer'}" if word == "out_dir=DIR" else word for word in train_on]
+    with pytest.warns(UserWarning, match=r"is a training run's config: left out its stop_after=2, resume=true, "):
+        assert cli_main([*train_on[1:], "steps=4"]) == 0
+    assert "finished at step 4" in capsys.readouterr().out
+    assert cli_main([*train_on[1:], "steps=4", f"out_dir={tmp_path / 'short'}", "stop_after=1"]) == 0
+    assert "stopped at step 1 of 4 (stop_after)" in capsys.readouterr().out
+
+
 def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):
     """``attnres compare --out -g`` (from its folder): status's command to continue a stopped
     run of the grid said ``--out -g``, which argparse refuses ("expected one argument"). The

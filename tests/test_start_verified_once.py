@@ -1,7 +1,8 @@
 """Under several ranks, the checkpoint a run resumes (or starts from) is verified by rank 0
 alone - every file's SHA-256, once, not once per rank from the shared file system - and
 every rank starts from the checkpoint rank 0 picked, also when the newest one does not
-verify and rank 0 falls back to an older one.
+verify and rank 0 falls back to an older one. (A sharded one's files are checked again as it
+loads, each rank those it reads: tests/test_sharded_checkpoints.py's 2-rank cases.)
 
 Run as a script by :func:`attnres.distributed.local_spawn.run_local` (the workers), as a
 test by pytest.

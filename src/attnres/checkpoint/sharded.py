@@ -281,22 +281,27 @@ def _files_read(path: Path, names: Collection[str], optimizer: bool, rng: bool) 
               if uncompiled_name(key.fqn) in own or (states and uncompiled_name(key.fqn).startswith(states)))}
 
 
-def _verify_on_every_rank(path: Path, reads: Callable[[], set[str]]) -> None:
+def _verify_on_every_rank(path: Path, reads: Callable[[], set[str]], verified: dict[str, Any] | None = None) -> None:
     """:func:`_verify` of ``path`` on rank 0 (every file hashed, once) and, on each other rank,
     of the files it reads (``reads()``, :func:`_files_read`): what rank 0 saw of them, a rank of
     another node sees only where out_dir is on a file system every node shares, and a damaged
-    copy of its own failed in DCP's words, or loaded as it was. Every rank raises the same
-    :class:`CheckpointError`, the lowest failing rank's, when any fails: a rank that raised alone
-    left the others waiting in DCP's first collective. In one process: :func:`_verify`."""
+    copy of its own failed in DCP's words, or loaded as it was. ``verified``: the ``state.json``
+    rank 0 has verified already (the trainer's, found by ``find_valid_checkpoint`` on rank 0 and
+    handed to every rank): rank 0 hashes nothing again, the others still check what they read,
+    against it. Every rank raises the same :class:`CheckpointError`, the lowest failing rank's,
+    when any fails: a rank that raised alone left the others waiting in DCP's first collective.
+    In one process: :func:`_verify`, unless ``verified``."""
     if not _several_ranks():
-        _verify(path)
+        if verified is None:
+            _verify(path)
         return
     rank = dist.get_rank()
     try:
         if rank == 0:
-            _verify(path)
+            if verified is None:
+                _verify(path)
         else:
-            verify_dcp_files(path, read_checkpoint_state(path, only=reads()))
+            _verify_files_read(path, reads(), verified)
         problem = None
     except Exception as e:  # noqa: BLE001 - any failure (an unreadable file's OSError too) is every rank's
         problem = str(e) if isinstance(e, CheckpointError) else \
@@ -306,6 +311,22 @@ def _verify_on_every_rank(path: Path, reads: Callable[[], set[str]]) -> None:
     failed = next((r for r, report in enumerate(reports) if report is not None), None)
     if failed is not None:
         raise CheckpointError(reports[failed] + ("" if failed == 0 else f" (as rank {failed} sees it)"))
+
+
+def _verify_files_read(path: Path, names: set[str], verified: dict[str, Any] | None) -> None:
+    """Verify the files ``names`` of the sharded checkpoint ``path`` against its ``state.json``
+    as this rank reads it and, where rank 0 verified one (``verified``), against that: a copy of
+    its own that verifies by itself but is of another checkpoint (another run's ``step-*`` of the
+    same name, in an out_dir the nodes do not share) is not what rank 0 checked."""
+    state = read_checkpoint_state(path, only=names)
+    verify_dcp_files(path, state)
+    if verified is None:
+        return
+    theirs = verified.get("files") or {}
+    other = sorted(name for name in names if state["files"].get(name) != theirs.get(name))
+    if other:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not the one rank 0 verified: {other[0]} differs from "
+                              "rank 0's copy (out_dir must be on a file system every node shares)")
 
 
 def _leave_fresh_where_none_was_saved(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
@@ -328,11 +349,11 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
     part's ``_orig_mod.`` names are read as their own, and so are those an earlier version
     stored) and ``optimizer`` in place: each rank reads its own shards. Every rank calls this.
     ``verified``: the checkpoint's ``state.json``, where the caller has verified it (as the
-    trainer has, :func:`~attnres.checkpoint.find_valid_checkpoint`: its shards are not hashed
-    again); without it it is verified first (every file's SHA-256: a damaged shard loaded as it
-    was, without a word), every file by rank 0 and the files each other rank reads by that rank
-    (:func:`_verify_on_every_rank`), and every rank raises the same :class:`CheckpointError` if
-    any fails.
+    trainer has on rank 0, :func:`~attnres.checkpoint.find_valid_checkpoint`: rank 0 does not
+    hash its files again); without it it is verified first (every file's SHA-256: a damaged
+    shard loaded as it was, without a word) by rank 0. Either way each other rank verifies the
+    files it reads (against ``verified`` too, where given: :func:`_verify_on_every_rank`), and
+    every rank raises the same :class:`CheckpointError` if any fails.
     A parameter that had no optimiser state when the checkpoint was saved (frozen, or never
     stepped) keeps a fresh one."""
     import torch.distributed.checkpoint as dcp
@@ -340,8 +361,8 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
 
     path = Path(path)
     params = by_own_names(params, "load_sharded")  # (the checkpoint's names: save_sharded's)
-    if verified is None:
-        _verify_on_every_rank(path, lambda: _files_read(path, params, optimizer is not None, restore_rng))
+    # (verified by the caller: on rank 0, where it found it; each other rank still checks the files it reads)
+    _verify_on_every_rank(path, lambda: _files_read(path, params, optimizer is not None, restore_rng), verified)
     reader = _reader(path)
     stored = reader.read_metadata().state_dict_metadata
     if optimizer is not None:  # (a checkpoint written before the optimiser's first step holds none: all fresh)

@@ -21,7 +21,7 @@ import types
 from transformers import PretrainedConfig
 
 from ..checkpoint.locate import refuse_loading_training_output
-from ..models.config import ModelConfig, read_back, read_quietly, residual_fields_stated, stated
+from ..models.config import ModelConfig, as_read_back, read_back, read_quietly, residual_fields_stated, stated
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
@@ -73,6 +73,9 @@ class _AttnResConfigMethods(SavesAutoMap):
         # (before it is completed: AttnResConfig(**config.to_dict()) is a config read back, whose residual fields - the
         # preset's block size under residual="standard" - were warned of where it was stated, if they were the user's)
         read = read_back(self.residual) and not legacy
+        # (and read back in Python, not from_dict's config.json: its single block was said where it was stated, and
+        # AttnResConfig(**config.to_dict()) said it again - from_pretrained(dir) says it once, as a load of the export)
+        again = as_read_back(self.residual if read else None)
         _check_extra_keys(self, kwargs)
         if legacy:
             self.residual = migrate_model_keys({"residual": self.residual, **legacy}, "AttnResConfig")["residual"]
@@ -89,7 +92,7 @@ class _AttnResConfigMethods(SavesAutoMap):
             )
         super().__post_init__(**kwargs)
         with naming_residual_module(module, self.residual["kind"], NATIVE_KEY), \
-                read_quietly() if read else contextlib.nullcontext():
+                read_quietly() if read else contextlib.nullcontext(), again:
             # (validates every field, naming the bad one; built as ModelConfig(...) is, it warns of a residual field
             # its variant does not read, as the user's statement - from_dict's config.json and from_model_config's
             # native config, read quietly, were warned of where they were stated)

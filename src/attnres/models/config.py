@@ -19,7 +19,7 @@ from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "read_quietly",
-           "read_back", "readers_in_words", "residual_fields_given", "residual_fields_stated", "stated",
+           "as_read_back", "read_back", "readers_in_words", "residual_fields_given", "residual_fields_stated", "stated",
            "warn_unread_residual_fields"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
@@ -152,6 +152,14 @@ def _as_read_back(again: bool) -> contextlib.AbstractContextManager:
     (``migrations.stored_config``): Block AttnRes' single block was warned of where the config
     was stated, and its reading back said it again; marked said, without a word."""
     return stored_config() if again else contextlib.nullcontext()
+
+
+def as_read_back(residual: Any) -> contextlib.AbstractContextManager:
+    """What a config built of a model's ``residual`` as given is checked within: where it is
+    read back in Python (:func:`_read_back_in_python`), as a stored config, its single block
+    not said again (:func:`_as_read_back`). For the builders of a ``ModelConfig`` of their own
+    fields (``AttnResConfig(**config.to_dict())``), which hand it a ``ResidualConfig``."""
+    return _as_read_back(_read_back_in_python(residual))
 
 
 def _quiet() -> bool:

@@ -731,7 +731,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
     (:func:`config_path`). A variant-specific residual field given for a variant that does
-    not read it is warned of (:func:`_residual_fields_chosen`)."""
+    not read it is warned of (:func:`_residual_fields_chosen`). A training run's ``config.json``
+    as the file leaves out its :data:`INVOCATION_FIELDS` (``stop_after``, ...), with a warning."""
     config, given = configured(path, overrides)
     warn_unread_residual_fields(given, config.model)
     return config
@@ -744,8 +745,43 @@ def configured(path: str | Path | None = None,
     the user gave (:func:`_residual_fields_chosen`): for ``attnres train``, which warns of them
     against the config it trains - a resume without a config file the run's own variant, not
     the defaults these overrides were applied to."""
-    data = config_data(path, overrides)
+    file, left_out = _config_file_data(path)
+    restated = {parse_override(item)[0][0] for item in overrides}  # (this run's own: no note)
+    left_out = {k: v for k, v in left_out.items() if k not in restated}
+    if left_out:
+        _note_left_out(path, left_out)
+    data = apply_overrides(file, list(overrides))
     return TrainConfig.from_dict(data), _residual_fields_chosen(data, overrides)
+
+
+#: What a run's ``config.json`` holds of the invocation that last wrote it rather than of the
+#: run: when that invocation stopped and whether it resumed. A run started from that config
+#: (``--config RUN/config.json init_from=CHECKPOINT out_dir=DIR``, the train-on command the
+#: refusals print) took them as its own: it stopped at the old ``stop_after`` without reaching
+#: its ``steps``, or, as ``resume=true``, refused its new out_dir as no run to resume. As
+#: ``--resume`` without a config file does (``attnres.train.resume.PER_LAUNCH``), they are the
+#: command's; ``init_from``, ``out_dir`` and the rest stay the run's (a repeat of the run starts
+#: from its weights; ``out_dir`` is the run's own directory, refused as a new run's).
+INVOCATION_FIELDS = ("stop_after", "resume", "resume_from")
+
+
+def _note_left_out(path: str | Path, left_out: dict[str, Any]) -> None:
+    """Warn that the :data:`INVOCATION_FIELDS` ``left_out`` of a run's config file were not taken."""
+    from ..user_warning import warn_user
+
+    values = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in left_out.items())
+    one = len(left_out) == 1
+    warn_user(f"config file {str(path)!r} is a training run's config: left out its {values}, which "
+              f"{'was' if one else 'were'} that run's last invocation's (when it stopped, whether it resumed), not its "
+              f"model, data or schedule; give {'it as an override' if one else 'them as overrides'} to set "
+              f"{'it' if one else 'them'} for this one")
+
+
+def _is_a_runs_config(path: Path) -> bool:
+    """Whether ``path`` is the ``config.json`` a training run wrote into its directory."""
+    from ..checkpoint.locate import RUN_LOG
+
+    return path.name == "config.json" and ((path.parent / "checkpoints").is_dir() or (path.parent / RUN_LOG).is_file())
 
 
 #: Override keys that choose the model's residual variant (a preset or directory brings its own).
@@ -775,6 +811,12 @@ def sets_vocab_size(path: str | Path | None = None, overrides: list[str] | tuple
 def config_data(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """What :func:`load_config` builds its ``TrainConfig`` from: the YAML file's mapping (or
     none) with the overrides applied, not yet checked."""
+    return apply_overrides(_config_file_data(path)[0], list(overrides))
+
+
+def _config_file_data(path: str | Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The YAML file's mapping (``{}`` for none) and what was left out of it: of a training run's
+    ``config.json``, its :data:`INVOCATION_FIELDS` not at their defaults (each dropped)."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -792,4 +834,8 @@ def config_data(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = _without_anchor_keys(data, text, str(p))
-    return apply_overrides(data, list(overrides))
+        if _is_a_runs_config(p):
+            defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+            left_out = {k: data[k] for k in INVOCATION_FIELDS if data.get(k, defaults[k]) != defaults[k]}
+            return {k: v for k, v in data.items() if k not in INVOCATION_FIELDS}, left_out
+    return data, {}

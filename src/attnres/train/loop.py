@@ -381,7 +381,8 @@ class Trainer:
         one's optimiser state, cut to this rank's shards (its weights are already in)."""
         resume, init = self.start.resume, self.start.init
         if resume is not None and is_sharded(resume.state):
-            # (verified when it was found, on rank 0: its shards are not hashed again)
+            # (verified when it was found, on rank 0, which does not hash it again; each other rank hashes the
+            # files it reads: a copy of its own, where out_dir is not on a file system every node shares)
             _load_resumed(resume, self.config, lambda: load_sharded(resume.path, self.pm.named_parameters(),
                                                                      self.optimizer, verified=resume.state))
         elif resume is not None:
