@@ -742,3 +742,34 @@ def test_a_decoder_given_back_mid_stream_is_waited_for_on_the_next_borrowers_cud
     assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
     assert fake_cuda_graphs.events[1] == ("wait", given_back) and fake_cuda_graphs.events[2][0] == "record"
     assert fake_cuda_graphs.count("capture") == 1
+
+
+def test_a_prefill_out_of_memory_frees_the_kept_decoders_and_runs_again(fake_cuda_graphs, monkeypatch):
+    """The kept decoders' caches are GPU memory a generation of another shape cannot use: a
+    prefill that runs out of memory beside them frees them and runs again (the tokens as the
+    dynamic cache's); with none kept, the error is the caller's as it was."""
+    import sys
+
+    from attnres.inference import kept_decoders
+
+    generate_module = sys.modules["attnres.inference.generate"]
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=3, decode="dynamic")
+    generate(model, ids, mask, max_new_tokens=3)
+    assert len(vars(model)[kept_decoders._ATTRIBUTE].idle) == 1
+    real, failures = generate_module.prefill, []
+
+    def short_of_memory(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "prefill", short_of_memory)
+    assert torch.equal(generate(model, ids[:2], mask[:2], max_new_tokens=3), want[:2])
+    assert failures == [1] and fake_cuda_graphs.count("capture") == 2
+    assert len(vars(model)[kept_decoders._ATTRIBUTE].idle) == 1  # (the batch of 2's; the batch of 3's freed)
+    failures.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        kept_decoders.freeing_kept_on_oom(make_model(residual="standard"), short_of_memory)

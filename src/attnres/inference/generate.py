@@ -27,7 +27,7 @@ from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
 from ..validation import did_you_mean, did_you_mean_each
 from . import static as _static  # (its cuda_graphs looked up at each call: the tests replace it)
-from .kept_decoders import borrowed_decoder
+from .kept_decoders import borrowed_decoder, freeing_kept_on_oom
 from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
 from .stop_strings import RowStops, check_stop_strings
 
@@ -355,7 +355,8 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
     ``None``; ``texts``: the stop strings' :class:`RowStops`, or ``None``)."""
     b, t = input_ids.shape
     capacity = t + max_new_tokens - 1
-    logits, cache = prefill(model, input_ids, mask, chunk_size, capacity=capacity if decode == "dynamic" else t)
+    logits, cache = freeing_kept_on_oom(model, lambda: prefill(model, input_ids, mask, chunk_size,
+                                                               capacity=capacity if decode == "dynamic" else t))
     static_steps = decode != "dynamic" and max_new_tokens > 1  # (one token needs no decode step)
     with _static_decoder(model, b, capacity, decode) if static_steps else contextlib.nullcontext() as static:
         if static is not None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,7 +34,9 @@ from ..nn.compiled import uncompiled
 from . import static as _static  # (its cuda_graphs looked up at each call: the tests replace it)
 from .static import StaticDecoder
 
-__all__ = ["KEPT_PER_MODEL", "borrowed_decoder", "release_decoders"]
+__all__ = ["KEPT_PER_MODEL", "borrowed_decoder", "freeing_kept_on_oom", "release_decoders"]
+
+T = TypeVar("T")
 
 #: The most idle decoders kept for one model (the least recently used goes first).
 KEPT_PER_MODEL = 4
@@ -104,7 +106,7 @@ def borrowed_decoder(model, batch_size: int, capacity: int, mode: str) -> Iterat
             del kept.idle[other]
         decoder, done = kept.idle.pop(key, (None, None))
     if decoder is None:
-        decoder = _new_decoder(model, kept, batch_size, capacity, mode)
+        decoder = freeing_kept_on_oom(model, lambda: StaticDecoder(model, batch_size, capacity, mode=mode))
     else:
         decoder.model = model  # (an idle one holds none: _give_back)
         if done is not None:  # (a stream closed early left its next step queued: on another CUDA stream,
@@ -119,20 +121,18 @@ def borrowed_decoder(model, batch_size: int, capacity: int, mode: str) -> Iterat
         _give_back(kept, key, decoder)
 
 
-def _new_decoder(model, kept: _KeptDecoders, batch_size: int, capacity: int, mode: str) -> StaticDecoder:
-    """A decoder built for the call; out of memory with decoders kept (their caches), they
-    are freed and it is built again."""
+def freeing_kept_on_oom(model, run: Callable[[], T]) -> T:
+    """``run()`` - a prefill, a new decoder -; out of memory while ``model`` keeps decoders
+    (their static caches: GPU memory a generation of another shape cannot use), they are
+    freed and it runs again."""
     try:
-        return StaticDecoder(model, batch_size, capacity, mode=mode)
+        return run()
     except torch.OutOfMemoryError:
-        with _LOCK:
-            kept.settle()
-            if not kept.idle:
-                raise
-            kept.idle.clear()
-    # (built again after the except clause: the error's traceback held what the failed build had
+        if not _release(uncompiled(model)):
+            raise
+    # (run again after the except clause: the error's traceback held what the failed run had
     # allocated - a cache's first layers - through the retry)
-    return StaticDecoder(model, batch_size, capacity, mode=mode)
+    return run()
 
 
 def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
@@ -171,8 +171,13 @@ def release_decoders(model) -> int:
     running stream is kept when that stream ends. Another object is a ``TypeError`` (a DDP or
     FSDP wrapper named with its ``.module``, which generated: it returned 0, freeing nothing)."""
     require_attnres_lm(model, "release_decoders")
+    return _release(uncompiled(model))
+
+
+def _release(owner) -> int:
+    """:func:`release_decoders` of the module ``owner`` (uncompiled)."""
     with _LOCK:
-        kept = vars(uncompiled(model)).get(_ATTRIBUTE)
+        kept = vars(owner).get(_ATTRIBUTE)
         if not isinstance(kept, _KeptDecoders):
             return 0
         kept.settle()
