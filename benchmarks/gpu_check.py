@@ -291,20 +291,20 @@ def record(errors: dict, name: str, e: Exception) -> None:
 
 
 class DeviceLost(Exception):
-    """A step's failure, recorded, left the device unusable (:func:`runnable` with
-    ``keep_rows``): the part returns the rows it measured before, with the failure among its
-    ``errors``, and the parts after it run in a fresh process (:func:`run_one_part`)."""
+    """A step's failure, recorded, left the device unusable (:func:`runnable`,
+    :func:`kept_unless_lost`): the part returns the rows it measured before, with the failure
+    among its ``errors``, and the parts after it run in a fresh process (:func:`run_one_part`)."""
 
 
-def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "", keep_rows: bool = False) -> dict:
+def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "") -> dict:
     """The ``steps`` that run once (their warm-up) without raising, in order. One that raises
     is left out, its traceback recorded as ``errors[prefix + name]``: a step no GPU has run
     yet - an option's, Phase 1 in one kernel, a graph's capture - cannot lose the part's
-    other rows, the targets' among them. Raised where ``clock`` is strict (the smoke) or the
-    failure left the device unusable (the part fails; the parts after it run in a fresh
-    process) - there, for a part that measures in rounds (``keep_rows``: decode's batches),
-    recorded and :class:`DeviceLost` raised, for the part to keep its earlier rounds' rows,
-    as :func:`sweep` keeps its settings'."""
+    other rows, the targets' among them. Raised where ``clock`` is strict (the smoke); where
+    the failure left the device unusable, recorded and :class:`DeviceLost` raised, for the
+    part - measuring in groups: the targets', then the others'; decode's batches - to keep
+    the rows it measured before, as :func:`sweep` keeps its settings' (the parts after it
+    run in a fresh process)."""
     device, kept = "cuda" if clock.cuda else "cpu", {}
     for name, step in steps.items():
         try:
@@ -313,8 +313,6 @@ def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "", keep_row
             if clock.strict:
                 raise
             usable = device_usable(device)
-            if not (usable or keep_rows):
-                raise
             record(errors, prefix + name, e)
             if not usable:
                 raise DeviceLost(prefix + name) from None
@@ -1114,7 +1112,7 @@ def eager_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict, f
     try:
         for group in (targets, others):
             start = time.perf_counter()
-            group = runnable(clock, errors, group, keep_rows=True)
+            group = runnable(clock, errors, group)
             zero_grads(models)
             result["warm_up_s"] += time.perf_counter() - start
             seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
@@ -1229,7 +1227,7 @@ def compile_within(steps: dict, clock: Clock, errors: dict, compiled_s: dict[str
             log(f"[gpu_check]   {name}: {dropped[name]}")
             continue
         start = time.perf_counter()
-        if not runnable(clock, errors, {name: step}, keep_rows=True):
+        if not runnable(clock, errors, {name: step}):
             continue
         seconds[name] = time.perf_counter() - start
         log(f"[gpu_check]   {name} compiled in {seconds[name]:.0f} s")
@@ -1427,7 +1425,7 @@ def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: 
     targets, others = targets_first(steps, lambda key: key.split("|")[0])
     group = targets if targets_only else others
     try:
-        group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
+        group = runnable(clock, errors, group, prefix=prefix)
         seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
             clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1], repeats), prefix))
     except DeviceLost:

@@ -1236,6 +1236,30 @@ def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_t
     assert set(compiled["errors"]) == {"full"} and "LoweringException" in compiled["errors"]["full"]
 
 
+def test_runnable_records_a_failed_first_run_and_raises_device_lost_where_the_device_is_gone(monkeypatch):
+    """:func:`gpu_check.runnable` as every part calls it: a step whose first run raises is
+    recorded and left out, the others kept; one that left the device unusable is recorded and
+    raises :class:`gpu_check.DeviceLost` (its part keeps the rows measured before), not its
+    own error, which would fail the part; on a strict clock (the smoke) the error itself."""
+    import gpu_check
+
+    def failing():
+        raise RuntimeError("Triton Error [CUDA]: out of resources")
+
+    steps = {"standard": lambda: None, "full": failing, "block": lambda: None}
+    clock, errors = gpu_check.Clock("cpu", strict=False), {}
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)
+    assert list(gpu_check.runnable(clock, errors, steps, prefix="b1 ")) == ["standard", "block"]
+    assert set(errors) == {"b1 full"} and "out of resources" in errors["b1 full"]
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    errors.clear()
+    with pytest.raises(gpu_check.DeviceLost, match="full"):
+        gpu_check.runnable(clock, errors, steps)
+    assert set(errors) == {"full"}
+    with pytest.raises(RuntimeError, match="out of resources"):
+        gpu_check.runnable(gpu_check.Clock("cpu"), {}, steps)
+
+
 def test_the_summary_takes_an_eager_part_whose_default_steps_failed():
     """A step that fails its first run is left out (:func:`gpu_check.runnable`), the default
     ones too: the summary of the option's rows holds ``None`` where the default's row is
