@@ -1001,8 +1001,6 @@ PAIRED = {"autocast_norm_output": ("bf16_norm_out", {"standard (bf16 norm out)":
                                                      "block (bf16 norm out)": "block"}),
           "autocast_stream": ("autocast_stream", {"standard (bf16 stream)": "standard",
                                                   "block (bf16 stream)": "block"})}
-NORM_OUT = PAIRED["autocast_norm_output"][1]
-STREAM = PAIRED["autocast_stream"][1]
 #: The eager part's Block with its Phase-1 sums in bf16 (``autocast_phase1_sums``; the
 #: standard model has none: Block against the standard model as it is, ``block_bf16_sums``).
 SUMS_BF16 = "block (bf16 sums)"
