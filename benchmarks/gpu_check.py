@@ -654,14 +654,18 @@ def triton_launch_us(clock: Clock, device: str, repeats: int) -> float | None:
     return sum(t.seconds for t in timed) / calls * 1e6
 
 
-def host_times(clock: Clock, device: str, errors: dict, repeats: int = 200) -> dict | None:
+#: How many calls each of the ops part's host times (ours, the standard's, the launcher's) is the mean of.
+HOST_REPEATS = 200
+
+
+def host_times(clock: Clock, device: str, errors: dict) -> dict | None:
     """:func:`host_overhead` (``errors["host"]`` where it fails: ``None``) and, as a piece of
     its own, :func:`triton_launch_us` into it as ``triton_launch`` (``errors["host_launch"]``
-    where it fails): a failure inside the stand-in for Triton's kernels loses that number
-    alone, not ours and the standard's."""
-    host = attempt(clock, errors, "host", lambda: host_overhead(clock, device, repeats))
+    where it fails), each over :data:`HOST_REPEATS` calls: a failure inside the stand-in for
+    Triton's kernels loses that number alone, not ours and the standard's."""
+    host = attempt(clock, errors, "host", lambda: host_overhead(clock, device, HOST_REPEATS))
     if host is not None:
-        launch = attempt(clock, errors, "host_launch", lambda: triton_launch_us(clock, device, repeats))
+        launch = attempt(clock, errors, "host_launch", lambda: triton_launch_us(clock, device, HOST_REPEATS))
         if launch is not None:
             host["triton_launch"] = launch
     return host
@@ -1244,12 +1248,13 @@ def part_train_bf16(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
 
 
 #: The models whose training step is profiled (eager: the profile part; compiled: the
-#: compiled part, after timing), and the operations listed for each.
+#: compiled part, after timing), and the operations listed for each (for each model's decode
+#: step too: the decode profile part).
 PROFILED = ("standard", "block")
 PROFILE_TOP = 12
 
 
-def part_profile(z: Sizes, models: dict, device: str, top: int = PROFILE_TOP) -> dict:
+def part_profile(z: Sizes, models: dict, device: str) -> dict:
     """Where a training step's device time goes: one eager step of the standard model and of
     Block AttnRes under ``torch.profiler`` (after a warm-up step), the operations with the
     most self device time (self CPU time on the CPU), in ms."""
@@ -1258,7 +1263,7 @@ def part_profile(z: Sizes, models: dict, device: str, top: int = PROFILE_TOP) ->
     result = {}
     for name, step in steps.items():
         step()
-        result[name] = profiled(step, device, top)
+        result[name] = profiled(step, device, PROFILE_TOP)
         log(f"[gpu_check]   profile {name}: {result[name]['total_ms']:.1f} ms self time")
     return result
 
@@ -1431,7 +1436,7 @@ def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: 
     return False
 
 
-def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
+def part_profile_decode(z: Sizes, models: dict, device: str) -> dict:
     """What a graphed decode step replays, per model at batch 1: the kernels of one eager
     static step (the very launches its CUDA graph records) under ``torch.profiler`` - how
     many, their device time, the operations with the most. At one token a step is a chain of
@@ -1445,7 +1450,7 @@ def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> d
             _, decoder = loaded_caches(model, 1, z, device, dtype, "eager")
             decoder.step(tokens)  # (warm)
             decoder.rewind(z.seq)
-            result[name] = profiled(lambda decoder=decoder: decoder.step(tokens), device, top)
+            result[name] = profiled(lambda decoder=decoder: decoder.step(tokens), device, PROFILE_TOP)
             log(f"[gpu_check]   decode profile {name}: {result[name]['kernels']} kernels, "
                 f"{result[name]['total_ms']:.2f} ms self time")
     return result
