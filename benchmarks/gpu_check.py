@@ -72,9 +72,8 @@ targets before Full's compile), so a run stopped by a time limit keeps what it m
    tiles and groups of sources, Phase 1 as one program per row, the merges' warps, the
    looping merges, their pipeline depth), each beside its default's time; a part of its own,
    so that a fault at a setting no default uses costs only this part - and after the
-   targets' parts: before the compiled part (until 2026-12-07) its settings' compiles, where
-   the warm-up had not made them, and a fault's fresh process came out of the compiled
-   part's time.
+   targets' parts, so that its settings' compiles, where the warm-up has not made them, and
+   a fault's fresh process do not come out of the compiled part's time.
 8. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
@@ -1066,9 +1065,9 @@ def compiled_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict
     """The compiled part's rows: the targets' steps (:func:`targets_first`) compiled
     (:func:`compile_within`), timed and profiled before Full's compile, then Full's, timed
     beside the standard model again (:func:`timed_beside`). Full's compile or timing that
-    loses the device ends the part with the targets' rows, the failure recorded: until
-    2026-12-07 the three models compiled before any timing, and such a fault lost minutes of
-    compiling and the training target's compiled ratio with them."""
+    loses the device ends the part with the targets' rows, the failure recorded, so that such
+    a fault loses neither the minutes of the targets' compiles nor the training target's
+    compiled ratio."""
     errors: dict = {}
     result = {"errors": errors, "compile_s": {}, "dropped": {}, "warm_up_s": 0.0, "ms": {}, "profile": {}}
     seconds: dict[str, float] = {}
@@ -1166,7 +1165,7 @@ def timed_rounds(clock: Clock, errors: dict, steps: dict, timing, prefix: str = 
     its first run), no rows, the failure recorded as ``errors[prefix + "timing " + the steps]``;
     :class:`DeviceLost` where it left the device unusable (:func:`kept_unless_lost`): the part
     keeps the rows measured before - the targets' where an option's step lost the device in
-    its rounds (until 2026-12-07 the part failed, and decode lost its earlier batches)."""
+    its rounds, decode's earlier batches - rather than failing."""
     return kept_unless_lost(clock, errors, f"{prefix}timing {', '.join(steps)}", timing) or {}
 
 
@@ -1174,10 +1173,10 @@ def each(clock: Clock, errors: dict, piece: str, fn, items: dict, into: dict) ->
     """``into[name] = fn(item)`` over ``items`` in order, each an :func:`attempt` of its own (a
     failure recorded as ``errors[piece + " " + name]``, its row left out): a diagnostic
     step's failure - Full's or an option's memory, out of memory - keeps the standard
-    model's and Block's rows, the memory target's (one attempt over all of them lost every
-    row). A failure that left the device unusable raises :class:`DeviceLost`
-    (:func:`kept_unless_lost`), the rows before it in ``into``: until 2026-12-07 the part went
-    on, and the next step's first run, on the dead device, was recorded as that step's fault."""
+    model's and Block's rows, the memory target's (one attempt over all of them would lose
+    every row). A failure that left the device unusable raises :class:`DeviceLost`
+    (:func:`kept_unless_lost`), the rows before it in ``into``, so that the next step's first
+    run, on the dead device, is not recorded as that step's fault."""
     failed = False
     for name, item in items.items():
         value = kept_unless_lost(clock, errors, f"{piece} {name}", lambda item=item: fn(item))
@@ -1385,10 +1384,10 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
     CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
     kernel (:data:`ONE_KERNEL`). Every batch's targets' steps are measured before any other
-    step's first run (:func:`decode_batch`): until 2026-12-07 batch 1's Full and one-kernel
-    steps came before batch 8's targets, whose rows a sticky fault of theirs lost. A step
-    that loses the device (a graph's capture) ends the part: the rows measured before it are
-    returned, the failure among the ``errors`` (the parts after it run in a fresh process)."""
+    step's first run (:func:`decode_batch`), so that a sticky fault of batch 1's Full or
+    one-kernel step cannot lose batch 8's targets' rows. A step that loses the device (a
+    graph's capture) ends the part: the rows measured before it are returned, the failure
+    among the ``errors`` (the parts after it run in a fresh process)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
     result, errors, seconds = {}, {}, {batch: {} for batch in DECODE_BATCHES}
@@ -2114,8 +2113,8 @@ TARGET_PARTS = ("parity", "train_eager", "decode", "ops", "train_compiled")
 #: the targets' rounds, the seven other steps' first runs and rounds beside the standard model,
 #: each step's memory - at the H200's 230 / 266 / 586 ms a step of the standard model, Block
 #: and Full, with that run's 6 s of first-step overhead, 43 s (benchmarks/results/gpu-h200),
-#: 47 s at the H100's slower standard step; until 2026-12-07 40, set for three models' steps
-#: timed together: tests/test_gpu_check.py::test_the_eager_parts_least_time_covers_its_steps_at_the_measured_step_times).
+#: 47 s at the H100's slower standard step:
+#: tests/test_gpu_check.py::test_the_eager_parts_least_time_covers_its_steps_at_the_measured_step_times).
 MIN_SECONDS = {"parity": 5, "profile": 15, "profile_decode": 10, "ops": 15, "sweep": 10, "train_eager": 48,
                "decode": 20, "train_compiled": 230, "train_bf16": 30}
 #: The compiled part without Full AttnRes (which has no target): two models to compile - run so
@@ -2311,8 +2310,8 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     result["running"] = {"part": part, "since_s": spent_before + time.perf_counter() - start}
     write(out, result, clock.strict)
     lost = failed = False
-    # (the rows a part has measured so far, filed as at its end, still naming it running: a run
-    # killed in the compiled part's last compile kept none of the part's rows until 2026-12-07)
+    # (the rows a part has measured so far, filed as at its end, still naming it running, so that
+    # a run killed in the compiled part's last compile keeps the rows the part measured before it)
     so_far: dict = {}  # (the last rows handed: filed too where the part fails after them)
 
     def on_measured(rows: dict) -> None:
