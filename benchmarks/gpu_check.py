@@ -72,9 +72,8 @@ targets before Full's compile), so a run stopped by a time limit keeps what it m
    tiles and groups of sources, Phase 1 as one program per row, the merges' warps, the
    looping merges, their pipeline depth), each beside its default's time; a part of its own,
    so that a fault at a setting no default uses costs only this part - and after the
-   targets' parts: before the compiled part (until 2026-12-07) its settings' compiles, where
-   the warm-up had not made them, and a fault's fresh process came out of the compiled
-   part's time.
+   targets' parts, so that its settings' compiles, where the warm-up has not made them, and
+   a fault's fresh process do not come out of the compiled part's time.
 8. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
@@ -291,20 +290,20 @@ def record(errors: dict, name: str, e: Exception) -> None:
 
 
 class DeviceLost(Exception):
-    """A step's failure, recorded, left the device unusable (:func:`runnable` with
-    ``keep_rows``): the part returns the rows it measured before, with the failure among its
-    ``errors``, and the parts after it run in a fresh process (:func:`run_one_part`)."""
+    """A step's failure, recorded, left the device unusable (:func:`runnable`,
+    :func:`kept_unless_lost`): the part returns the rows it measured before, with the failure
+    among its ``errors``, and the parts after it run in a fresh process (:func:`run_one_part`)."""
 
 
-def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "", keep_rows: bool = False) -> dict:
+def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "") -> dict:
     """The ``steps`` that run once (their warm-up) without raising, in order. One that raises
     is left out, its traceback recorded as ``errors[prefix + name]``: a step no GPU has run
     yet - an option's, Phase 1 in one kernel, a graph's capture - cannot lose the part's
-    other rows, the targets' among them. Raised where ``clock`` is strict (the smoke) or the
-    failure left the device unusable (the part fails; the parts after it run in a fresh
-    process) - there, for a part that measures in rounds (``keep_rows``: decode's batches),
-    recorded and :class:`DeviceLost` raised, for the part to keep its earlier rounds' rows,
-    as :func:`sweep` keeps its settings'."""
+    other rows, the targets' among them. Raised where ``clock`` is strict (the smoke); where
+    the failure left the device unusable, recorded and :class:`DeviceLost` raised, for the
+    part - measuring in groups: the targets', then the others'; decode's batches - to keep
+    the rows it measured before, as :func:`sweep` keeps its settings' (the parts after it
+    run in a fresh process)."""
     device, kept = "cuda" if clock.cuda else "cpu", {}
     for name, step in steps.items():
         try:
@@ -313,8 +312,6 @@ def runnable(clock: Clock, errors: dict, steps: dict, prefix: str = "", keep_row
             if clock.strict:
                 raise
             usable = device_usable(device)
-            if not (usable or keep_rows):
-                raise
             record(errors, prefix + name, e)
             if not usable:
                 raise DeviceLost(prefix + name) from None
@@ -656,14 +653,18 @@ def triton_launch_us(clock: Clock, device: str, repeats: int) -> float | None:
     return sum(t.seconds for t in timed) / calls * 1e6
 
 
-def host_times(clock: Clock, device: str, errors: dict, repeats: int = 200) -> dict | None:
+#: How many calls each of the ops part's host times (ours, the standard's, the launcher's) is the mean of.
+HOST_REPEATS = 200
+
+
+def host_times(clock: Clock, device: str, errors: dict) -> dict | None:
     """:func:`host_overhead` (``errors["host"]`` where it fails: ``None``) and, as a piece of
     its own, :func:`triton_launch_us` into it as ``triton_launch`` (``errors["host_launch"]``
-    where it fails): a failure inside the stand-in for Triton's kernels loses that number
-    alone, not ours and the standard's."""
-    host = attempt(clock, errors, "host", lambda: host_overhead(clock, device, repeats))
+    where it fails), each over :data:`HOST_REPEATS` calls: a failure inside the stand-in for
+    Triton's kernels loses that number alone, not ours and the standard's."""
+    host = attempt(clock, errors, "host", lambda: host_overhead(clock, device, HOST_REPEATS))
     if host is not None:
-        launch = attempt(clock, errors, "host_launch", lambda: triton_launch_us(clock, device, repeats))
+        launch = attempt(clock, errors, "host_launch", lambda: triton_launch_us(clock, device, HOST_REPEATS))
         if launch is not None:
             host["triton_launch"] = launch
     return host
@@ -1003,8 +1004,6 @@ PAIRED = {"autocast_norm_output": ("bf16_norm_out", {"standard (bf16 norm out)":
                                                      "block (bf16 norm out)": "block"}),
           "autocast_stream": ("autocast_stream", {"standard (bf16 stream)": "standard",
                                                   "block (bf16 stream)": "block"})}
-NORM_OUT = PAIRED["autocast_norm_output"][1]
-STREAM = PAIRED["autocast_stream"][1]
 #: The eager part's Block with its Phase-1 sums in bf16 (``autocast_phase1_sums``; the
 #: standard model has none: Block against the standard model as it is, ``block_bf16_sums``).
 SUMS_BF16 = "block (bf16 sums)"
@@ -1066,9 +1065,9 @@ def compiled_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict
     """The compiled part's rows: the targets' steps (:func:`targets_first`) compiled
     (:func:`compile_within`), timed and profiled before Full's compile, then Full's, timed
     beside the standard model again (:func:`timed_beside`). Full's compile or timing that
-    loses the device ends the part with the targets' rows, the failure recorded: until
-    2026-12-07 the three models compiled before any timing, and such a fault lost minutes of
-    compiling and the training target's compiled ratio with them."""
+    loses the device ends the part with the targets' rows, the failure recorded, so that such
+    a fault loses neither the minutes of the targets' compiles nor the training target's
+    compiled ratio."""
     errors: dict = {}
     result = {"errors": errors, "compile_s": {}, "dropped": {}, "warm_up_s": 0.0, "ms": {}, "profile": {}}
     seconds: dict[str, float] = {}
@@ -1114,7 +1113,7 @@ def eager_rows(z: Sizes, clock: Clock, models: dict, device: str, steps: dict, f
     try:
         for group in (targets, others):
             start = time.perf_counter()
-            group = runnable(clock, errors, group, keep_rows=True)
+            group = runnable(clock, errors, group)
             zero_grads(models)
             result["warm_up_s"] += time.perf_counter() - start
             seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
@@ -1166,7 +1165,7 @@ def timed_rounds(clock: Clock, errors: dict, steps: dict, timing, prefix: str = 
     its first run), no rows, the failure recorded as ``errors[prefix + "timing " + the steps]``;
     :class:`DeviceLost` where it left the device unusable (:func:`kept_unless_lost`): the part
     keeps the rows measured before - the targets' where an option's step lost the device in
-    its rounds (until 2026-12-07 the part failed, and decode lost its earlier batches)."""
+    its rounds, decode's earlier batches - rather than failing."""
     return kept_unless_lost(clock, errors, f"{prefix}timing {', '.join(steps)}", timing) or {}
 
 
@@ -1174,10 +1173,10 @@ def each(clock: Clock, errors: dict, piece: str, fn, items: dict, into: dict) ->
     """``into[name] = fn(item)`` over ``items`` in order, each an :func:`attempt` of its own (a
     failure recorded as ``errors[piece + " " + name]``, its row left out): a diagnostic
     step's failure - Full's or an option's memory, out of memory - keeps the standard
-    model's and Block's rows, the memory target's (one attempt over all of them lost every
-    row). A failure that left the device unusable raises :class:`DeviceLost`
-    (:func:`kept_unless_lost`), the rows before it in ``into``: until 2026-12-07 the part went
-    on, and the next step's first run, on the dead device, was recorded as that step's fault."""
+    model's and Block's rows, the memory target's (one attempt over all of them would lose
+    every row). A failure that left the device unusable raises :class:`DeviceLost`
+    (:func:`kept_unless_lost`), the rows before it in ``into``, so that the next step's first
+    run, on the dead device, is not recorded as that step's fault."""
     failed = False
     for name, item in items.items():
         value = kept_unless_lost(clock, errors, f"{piece} {name}", lambda item=item: fn(item))
@@ -1229,7 +1228,7 @@ def compile_within(steps: dict, clock: Clock, errors: dict, compiled_s: dict[str
             log(f"[gpu_check]   {name}: {dropped[name]}")
             continue
         start = time.perf_counter()
-        if not runnable(clock, errors, {name: step}, keep_rows=True):
+        if not runnable(clock, errors, {name: step}):
             continue
         seconds[name] = time.perf_counter() - start
         log(f"[gpu_check]   {name} compiled in {seconds[name]:.0f} s")
@@ -1248,12 +1247,13 @@ def part_train_bf16(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
 
 
 #: The models whose training step is profiled (eager: the profile part; compiled: the
-#: compiled part, after timing), and the operations listed for each.
+#: compiled part, after timing), and the operations listed for each (for each model's decode
+#: step too: the decode profile part).
 PROFILED = ("standard", "block")
 PROFILE_TOP = 12
 
 
-def part_profile(z: Sizes, models: dict, device: str, top: int = PROFILE_TOP) -> dict:
+def part_profile(z: Sizes, models: dict, device: str) -> dict:
     """Where a training step's device time goes: one eager step of the standard model and of
     Block AttnRes under ``torch.profiler`` (after a warm-up step), the operations with the
     most self device time (self CPU time on the CPU), in ms."""
@@ -1262,7 +1262,7 @@ def part_profile(z: Sizes, models: dict, device: str, top: int = PROFILE_TOP) ->
     result = {}
     for name, step in steps.items():
         step()
-        result[name] = profiled(step, device, top)
+        result[name] = profiled(step, device, PROFILE_TOP)
         log(f"[gpu_check]   profile {name}: {result[name]['total_ms']:.1f} ms self time")
     return result
 
@@ -1384,10 +1384,10 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
     CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
     kernel (:data:`ONE_KERNEL`). Every batch's targets' steps are measured before any other
-    step's first run (:func:`decode_batch`): until 2026-12-07 batch 1's Full and one-kernel
-    steps came before batch 8's targets, whose rows a sticky fault of theirs lost. A step
-    that loses the device (a graph's capture) ends the part: the rows measured before it are
-    returned, the failure among the ``errors`` (the parts after it run in a fresh process)."""
+    step's first run (:func:`decode_batch`), so that a sticky fault of batch 1's Full or
+    one-kernel step cannot lose batch 8's targets' rows. A step that loses the device (a
+    graph's capture) ends the part: the rows measured before it are returned, the failure
+    among the ``errors`` (the parts after it run in a fresh process)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     static_mode = "graph" if device == "cuda" else "eager"
     result, errors, seconds = {}, {}, {batch: {} for batch in DECODE_BATCHES}
@@ -1427,7 +1427,7 @@ def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: 
     targets, others = targets_first(steps, lambda key: key.split("|")[0])
     group = targets if targets_only else others
     try:
-        group = runnable(clock, errors, group, prefix=prefix, keep_rows=True)
+        group = runnable(clock, errors, group, prefix=prefix)
         seconds.update(timed_rounds(clock, errors, group, lambda: timed_beside(
             clock, group, targets, seconds, lambda key: "standard|" + key.split("|")[1], repeats), prefix))
     except DeviceLost:
@@ -1435,7 +1435,7 @@ def decode_batch(clock: Clock, errors: dict, steps: dict, prefix: str, repeats: 
     return False
 
 
-def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
+def part_profile_decode(z: Sizes, models: dict, device: str) -> dict:
     """What a graphed decode step replays, per model at batch 1: the kernels of one eager
     static step (the very launches its CUDA graph records) under ``torch.profiler`` - how
     many, their device time, the operations with the most. At one token a step is a chain of
@@ -1449,7 +1449,7 @@ def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> d
             _, decoder = loaded_caches(model, 1, z, device, dtype, "eager")
             decoder.step(tokens)  # (warm)
             decoder.rewind(z.seq)
-            result[name] = profiled(lambda decoder=decoder: decoder.step(tokens), device, top)
+            result[name] = profiled(lambda decoder=decoder: decoder.step(tokens), device, PROFILE_TOP)
             log(f"[gpu_check]   decode profile {name}: {result[name]['kernels']} kernels, "
                 f"{result[name]['total_ms']:.2f} ms self time")
     return result
@@ -2113,8 +2113,8 @@ TARGET_PARTS = ("parity", "train_eager", "decode", "ops", "train_compiled")
 #: the targets' rounds, the seven other steps' first runs and rounds beside the standard model,
 #: each step's memory - at the H200's 230 / 266 / 586 ms a step of the standard model, Block
 #: and Full, with that run's 6 s of first-step overhead, 43 s (benchmarks/results/gpu-h200),
-#: 47 s at the H100's slower standard step; until 2026-12-07 40, set for three models' steps
-#: timed together: tests/test_gpu_check.py::test_the_eager_parts_least_time_covers_its_steps_at_the_measured_step_times).
+#: 47 s at the H100's slower standard step:
+#: tests/test_gpu_check.py::test_the_eager_parts_least_time_covers_its_steps_at_the_measured_step_times).
 MIN_SECONDS = {"parity": 5, "profile": 15, "profile_decode": 10, "ops": 15, "sweep": 10, "train_eager": 48,
                "decode": 20, "train_compiled": 230, "train_bf16": 30}
 #: The compiled part without Full AttnRes (which has no target): two models to compile - run so
@@ -2310,8 +2310,8 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     result["running"] = {"part": part, "since_s": spent_before + time.perf_counter() - start}
     write(out, result, clock.strict)
     lost = failed = False
-    # (the rows a part has measured so far, filed as at its end, still naming it running: a run
-    # killed in the compiled part's last compile kept none of the part's rows until 2026-12-07)
+    # (the rows a part has measured so far, filed as at its end, still naming it running, so that
+    # a run killed in the compiled part's last compile keeps the rows the part measured before it)
     so_far: dict = {}  # (the last rows handed: filed too where the part fails after them)
 
     def on_measured(rows: dict) -> None:

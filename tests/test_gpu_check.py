@@ -137,15 +137,15 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert max(autocast["phase1_fwd"], autocast["phase1_bwd"]) < 1e-5
     assert "| merge_add_bwd (training step's layout) |" in md
     kept = result["train_eager"]["kept_MiB"]
-    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *gpu_check.NORM_OUT, *gpu_check.STREAM,
-                         gpu_check.SUMS_BF16}
+    paired = [name for _, variants in gpu_check.PAIRED.values() for name in variants]
+    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *paired, gpu_check.SUMS_BF16}
     assert kept[gpu_check.SUMS_KEPT] > kept["block"]  # (the recipe measured: the sums not kept)
     assert set(summary["block_sums_kept"]) == {"train_eager", "memory"}
     assert set(summary["block_bf16_sums"]) == {"train_eager", "memory", "block_vs_default"}
     for key in ("bf16_norm_out", "autocast_stream"):  # (the pairs with an option on: Block against the standard)
         assert set(summary[key]) == {"train_eager", "memory", "standard_vs_default", "block_vs_default",
                                      "block_vs_standard_default"}
-    assert set(gpu_check.NORM_OUT) | set(gpu_check.STREAM) <= set(result["train_eager"]["ms"])
+    assert set(paired) <= set(result["train_eager"]["ms"])
     assert set(summary["block_phase1_one_kernel"]) == {"decode_b1", "decode_b8"}
     assert gpu_check.ONE_KERNEL in result["decode"]["b1"]["graphed"]
     depth_attention = {"_Merge", "_MergeBackward", "_Phase1", "_Phase1Backward"}
@@ -1192,8 +1192,8 @@ def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_t
     monkeypatch.setattr(lenient, "interleaved", interleaved)
     eager = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=False, paired=True)
     assert not leftover
-    stream = set(gpu_check.STREAM)
-    assert {"standard", "block", "full", *gpu_check.NORM_OUT} <= set(eager["ms"]) and not stream & set(eager["ms"])
+    stream, norm_out = (set(gpu_check.PAIRED[option][1]) for option in ("autocast_stream", "autocast_norm_output"))
+    assert {"standard", "block", "full", *norm_out} <= set(eager["ms"]) and not stream & set(eager["ms"])
     assert set(eager["errors"]) == stream and "out of resources" in eager["errors"]["block (bf16 stream)"]
     assert set(eager["peak_memory_MiB"]) == set(eager["kept_MiB"]) == set(eager["ms"])
     with pytest.raises(RuntimeError, match="out of resources"):
@@ -1234,6 +1234,30 @@ def test_a_step_that_fails_its_first_run_is_recorded_and_the_parts_other_steps_t
     compiled = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
     assert set(compiled["ms"]) == set(compiled["compile_s"]) == {"standard", "block"}
     assert set(compiled["errors"]) == {"full"} and "LoweringException" in compiled["errors"]["full"]
+
+
+def test_runnable_records_a_failed_first_run_and_raises_device_lost_where_the_device_is_gone(monkeypatch):
+    """:func:`gpu_check.runnable` as every part calls it: a step whose first run raises is
+    recorded and left out, the others kept; one that left the device unusable is recorded and
+    raises :class:`gpu_check.DeviceLost` (its part keeps the rows measured before), not its
+    own error, which would fail the part; on a strict clock (the smoke) the error itself."""
+    import gpu_check
+
+    def failing():
+        raise RuntimeError("Triton Error [CUDA]: out of resources")
+
+    steps = {"standard": lambda: None, "full": failing, "block": lambda: None}
+    clock, errors = gpu_check.Clock("cpu", strict=False), {}
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)
+    assert list(gpu_check.runnable(clock, errors, steps, prefix="b1 ")) == ["standard", "block"]
+    assert set(errors) == {"b1 full"} and "out of resources" in errors["b1 full"]
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    errors.clear()
+    with pytest.raises(gpu_check.DeviceLost, match="full"):
+        gpu_check.runnable(clock, errors, steps)
+    assert set(errors) == {"full"}
+    with pytest.raises(RuntimeError, match="out of resources"):
+        gpu_check.runnable(gpu_check.Clock("cpu"), {}, steps)
 
 
 def test_the_summary_takes_an_eager_part_whose_default_steps_failed():
