@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -242,6 +243,22 @@ def test_sigmoid_weights_are_not_normalised():
         assert torch.equal(x, torch.full_like(x, 0.5))
     assert any(x.sum(0).max() > 1 for x in w)
 
+
+
+def test_forward_diagnostics_of_sigmoid_weights_runs():
+    """The training loop's diagnostics (``forward_diagnostics``, every ``diag_every`` steps) of
+    the Table 4 ablation ``sigmoid_weights`` (the ``full+sigmoid`` experiment preset): its
+    weights do not sum to 1, and ``depth_entropy`` refuses such weights, so the run failed at
+    its first diagnostics step. They are logged as before, by the same sum over the sources,
+    while ``depth_entropy`` itself still refuses them."""
+    from attnres.analysis import depth_entropy, forward_diagnostics
+
+    model = _ablation_model(sigmoid_weights=True)
+    logged = forward_diagnostics(model, torch.randint(0, 256, (1, 4)))["depth_entropy"]
+    # (zero queries: each of n sources weighs 1/2, -n * 1/2 * log(1/2))
+    assert logged == pytest.approx([n / 2 * math.log(2) for n in [1, 2, 3, 4, 5, 6, 7]])
+    with pytest.raises(ValueError, match="summing to 1 over the sources"):
+        depth_entropy(torch.full((3, 1, 4), 0.5))
 
 def test_sliding_window_sees_exactly_its_window():
     model = _ablation_model(window=2)

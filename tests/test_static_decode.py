@@ -412,16 +412,18 @@ def test_decoding_past_the_capacity_is_refused_before_any_step():
 
 
 def test_captured_graph_is_refreshed_when_the_weights_it_reads_change():
-    """What ``load`` checks before it reuses a captured graph: the parameters' addresses and
-    the AttnRes folded queries (recomputed after an in-place update of a query)."""
+    """What ``load`` checks before it reuses a captured graph: the parameters' addresses, and
+    the AttnRes folded queries (recomputed after an in-place update of a query: copied into
+    the ones the graph reads, at their address, without a capture)."""
     model = make_model(residual="attnres_block").eval()
     decoder = StaticDecoder(model, 1, capacity=8, mode="eager")
     decoder._captured_with = decoder._weights()  # what _capture records
     assert not decoder._stale()
+    read = decoder._captured_with[1]
     with torch.no_grad():
         model.residual.mixers[1].query.add_(0.1)  # an optimiser step: same address, new value
-    assert decoder._stale()
-    decoder._captured_with = decoder._weights()
+        assert not decoder._stale()
+        assert decoder._captured_with[1] is read and torch.equal(read, model.residual.folded_queries(torch.float32))
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # a replaced tensor
     assert decoder._stale()
 

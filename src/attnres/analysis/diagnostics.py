@@ -56,7 +56,14 @@ def depth_entropy(weights: Tensor) -> float:
     (one mixer's depth-attention weights, as ``return_depth_weights`` gives them) over the
     sources; ``0 log 0 = 0``. Weights that do not sum to 1 over dim 0 (sources last, logits,
     a mixing matrix's rows) are refused: their "entropy" was a number all the same."""
-    w = _one_mixers_weights(weights).detach().double()
+    return _entropy(_one_mixers_weights(weights))
+
+
+def _entropy(weights: Tensor) -> float:
+    """:func:`depth_entropy` unchecked: what :func:`forward_diagnostics` logs, for every
+    variant - the ablation ``sigmoid_weights`` (report Table 4) records weights that do not
+    sum to 1, and a refusal there ended its training run at its first diagnostics step."""
+    w = weights.detach().double()
     return float(-torch.special.xlogy(w, w).sum(0).mean()) + 0.0  # + 0.0: one source gives -0.0
 
 
@@ -152,7 +159,7 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
         "block_output_rms": [_rms(outputs[b][0] + outputs[b][1]) for b in range(n)],
         "block_input_rms": [inputs[b] for b in range(n)],
         "depth_weights": [w.float().mean(dim=(1, 2)).tolist() for w in recorded] if recorded else None,
-        "depth_entropy": [depth_entropy(w) for w in recorded] if recorded else None,
+        "depth_entropy": [_entropy(w) for w in recorded] if recorded else None,
     }
     if routers is not None and routers.routers:
         from .experts import recorded_expert_load

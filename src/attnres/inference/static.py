@@ -279,9 +279,30 @@ class StaticDecoder:
             return addresses, folded(self.model.embed_tokens.weight.dtype)
 
     def _stale(self) -> bool:
-        """Whether the captured graph reads parameters that are no longer the model's."""
+        """Whether the captured graph reads parameters that are no longer the model's. New
+        folded queries of the same parameters (an in-place update: an optimiser step) are
+        copied into the ones the graph reads instead (:meth:`_refold`)."""
         addresses, folded = self._weights()
-        return self._captured_with is None or addresses != self._captured_with[0] or folded is not self._captured_with[1]
+        if self._captured_with is None or addresses != self._captured_with[0]:
+            return True
+        return not self._refold(folded)
+
+    def _refold(self, folded: Tensor | None) -> bool:
+        """Bring the folded queries the graph reads up to ``folded`` (the residual's now) in
+        place; ``False`` where they cannot be (a capture is needed). The residual keeps them
+        until a query changes or any optimiser in the process takes a step (a fused step bumps
+        no version counter: attnres_base's ``_optimizer_steps``), so another model trained in
+        the same process (a distilled student, a reward model) gave new ones at each
+        generate, and a capture each time; their values are what matters, at the same address."""
+        captured = self._captured_with[1]
+        if folded is captured:
+            return True
+        if folded is None or captured is None or folded.shape != captured.shape or folded.dtype != captured.dtype \
+                or folded.device != captured.device:
+            return False
+        with torch.no_grad():
+            captured.copy_(folded)
+        return True
 
     def _capture(self) -> None:
         """Warm up (kernels compiled, workspaces allocated) on a side stream, each step on the
