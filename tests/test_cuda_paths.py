@@ -804,3 +804,25 @@ def test_a_graphed_decoder_is_not_captured_again_after_another_models_optimizer_
         got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
     assert fake_cuda_graphs.count("capture") == 1
     torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+
+
+def test_a_graphed_decoder_built_in_inference_mode_takes_new_folded_queries_outside_it(fake_cuda_graphs):
+    """A graphed decoder built under ``torch.inference_mode()`` (a server's setup) and loaded
+    outside it after an optimizer step gave new folded queries: they are copied into the
+    ones its graph reads, in place - which an inference tensor would refuse outside that
+    mode; the residual makes its kept queries outside it - and the replay gives the eager
+    step's logits, with no capture again."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    with torch.inference_mode():
+        decoder = StaticDecoder(model, 3, capacity=7 + 3, mode="graph")
+    own = torch.optim.AdamW(model.residual.parameters(), lr=0.1, fused=True)
+    model.residual.mixers[1].query.grad = torch.ones_like(model.residual.mixers[1].query)
+    own.step()
+    tokens = torch.randint(0, 256, (3, 3), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for mode, built in (("graph", decoder), ("eager", StaticDecoder(model, 3, capacity=7 + 3, mode="eager"))):
+        built.load(prefill(model, ids, mask)[1], mask)
+        got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
+    assert fake_cuda_graphs.count("capture") == 1
+    torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
