@@ -794,16 +794,7 @@ def test_a_graphed_decoder_is_not_captured_again_after_another_models_optimizer_
         other(torch.ones(1, 4)).sum().backward()
         other_step.step()
     assert fake_cuda_graphs.count("capture") == 1
-    own = torch.optim.AdamW(model.residual.parameters(), lr=0.1, fused=True)
-    model.residual.mixers[1].query.grad = torch.ones_like(model.residual.mixers[1].query)
-    own.step()  # (in place, its version counter unchanged)
-    tokens = torch.randint(0, 256, (3, 3), generator=torch.Generator().manual_seed(2))
-    got = {}
-    for mode, built in (("graph", decoder), ("eager", StaticDecoder(model, 3, capacity=7 + 3, mode="eager"))):
-        built.load(prefill(model, ids, mask)[1], mask)
-        got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
-    assert fake_cuda_graphs.count("capture") == 1
-    torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+    _after_a_fused_step_the_replay_is_the_eager_step(model, decoder, fake_cuda_graphs)
 
 
 def test_a_graphed_decoder_built_in_inference_mode_takes_new_folded_queries_outside_it(fake_cuda_graphs):
@@ -813,9 +804,16 @@ def test_a_graphed_decoder_built_in_inference_mode_takes_new_folded_queries_outs
     mode; the residual makes its kept queries outside it - and the replay gives the eager
     step's logits, with no capture again."""
     model = make_model(residual="attnres_block").eval()
-    ids, mask = ragged_prompts()
     with torch.inference_mode():
         decoder = StaticDecoder(model, 3, capacity=7 + 3, mode="graph")
+    _after_a_fused_step_the_replay_is_the_eager_step(model, decoder, fake_cuda_graphs)
+
+
+def _after_a_fused_step_the_replay_is_the_eager_step(model, decoder: StaticDecoder, log: list) -> None:
+    """A fused AdamW step of ``model``'s residual (in place, its version counters unchanged),
+    then ``decoder`` (graphed, batch 3, capacity 10) and an eager decoder each loaded with a
+    prefill of :func:`ragged_prompts`: the same logits for three steps, and no capture again."""
+    ids, mask = ragged_prompts()
     own = torch.optim.AdamW(model.residual.parameters(), lr=0.1, fused=True)
     model.residual.mixers[1].query.grad = torch.ones_like(model.residual.mixers[1].query)
     own.step()
@@ -824,5 +822,5 @@ def test_a_graphed_decoder_built_in_inference_mode_takes_new_folded_queries_outs
     for mode, built in (("graph", decoder), ("eager", StaticDecoder(model, 3, capacity=7 + 3, mode="eager"))):
         built.load(prefill(model, ids, mask)[1], mask)
         got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
-    assert fake_cuda_graphs.count("capture") == 1
+    assert log.count("capture") == 1
     torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
