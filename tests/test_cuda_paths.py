@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -102,11 +104,11 @@ def _bound(real, fake):
 
 class _Log(list):
     """The captures and replays in order; ``events``: the CUDA events recorded and waited on;
-    ``modes``: each capture's ``capture_error_mode``."""
+    ``modes``: each capture's ``capture_error_mode``; ``capturing``: the threads capturing now."""
 
     def __init__(self):
         super().__init__()
-        self.events, self.modes = [], []
+        self.events, self.modes, self.capturing = [], [], []
 
 
 @pytest.fixture
@@ -145,11 +147,18 @@ def fake_cuda_graphs(monkeypatch):
 
     @contextlib.contextmanager
     def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        if log.capturing and stream is None:  # (torch.cuda.graph's default_capture_stream: one for every thread)
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (another thread's "
+                               "capture on torch.cuda.graph's default capture stream)")
         log.append("capture")
         log.modes.append(capture_error_mode)
+        log.capturing.append(threading.get_ident())
         cuda_graph.capture, cuda_graph.inference = _Capture(), torch.is_inference_mode_enabled()
-        with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
-            yield
+        try:
+            with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
+                yield
+        finally:
+            log.capturing.remove(threading.get_ident())
         cuda_graph.capture.restore()
 
     real = torch.cuda
@@ -698,7 +707,6 @@ def test_a_stream_collected_under_the_kept_decoders_lock_gives_its_decoder_back(
     and every later generate of the process, hung). A give-back takes no lock; the decoder
     is kept at the next borrow."""
     import gc
-    import threading
 
     from attnres.inference import kept_decoders, stream
 
@@ -744,6 +752,52 @@ def test_a_decoder_given_back_mid_stream_is_waited_for_on_the_next_borrowers_cud
     assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
     assert fake_cuda_graphs.events[1] == ("wait", given_back) and fake_cuda_graphs.events[2][0] == "record"
     assert fake_cuda_graphs.count("capture") == 1
+
+
+def test_two_threads_capturing_at_once_take_turns(fake_cuda_graphs, monkeypatch):
+    """Two threads building a graphed decoder at once (a server's generates of two batch
+    sizes): ``torch.cuda.graph`` captures on one side stream shared by every thread, so the
+    second capture began on the stream the first was capturing - the ``"thread_local"``
+    capture mode no longer stopped it at its device sync - and failed, the first with it.
+    Captures take turns (the first held in its capture until the second is at its own);
+    both decoders replay the eager step's logits."""
+    model = make_model(residual="attnres_block").eval()
+    real_step, real_graph = static.static_decode_step, torch.cuda.CUDAGraph
+    first_capturing, second_at_capture, errors, decoders = threading.Event(), threading.Event(), [], {}
+
+    def step(*args):
+        if fake_cuda_graphs.capturing and not first_capturing.is_set():
+            first_capturing.set()
+            second_at_capture.wait(timeout=30)
+            time.sleep(0.2)  # (the second thread, unheld, enters its capture meanwhile)
+        return real_step(*args)
+
+    def graph(*args, **kwargs):
+        if first_capturing.is_set():
+            second_at_capture.set()
+        return real_graph(*args, **kwargs)
+
+    def build(b):
+        try:
+            decoders[b] = StaticDecoder(model, b, capacity=7 + 3, mode="graph")
+        except RuntimeError as e:
+            errors.append(e)
+
+    monkeypatch.setattr(static, "static_decode_step", step)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph)
+    first = threading.Thread(target=build, args=(3,))
+    first.start()
+    assert first_capturing.wait(timeout=30)
+    second = threading.Thread(target=build, args=(2,))
+    second.start()
+    first.join(timeout=60), second.join(timeout=60)
+    assert not errors and sorted(decoders) == [2, 3] and fake_cuda_graphs.count("capture") == 2
+    for b, graphed in decoders.items():
+        ids, mask = (t[:b] for t in ragged_prompts())
+        eager = StaticDecoder(model, b, capacity=7 + 3, mode="eager")
+        logits, cache = prefill(model, ids, mask)
+        graphed.load(cache, mask), eager.load(cache, mask)
+        assert torch.equal(graphed.decode(logits.argmax(-1), 3), eager.decode(logits.argmax(-1), 3))
 
 
 def test_a_prefill_out_of_memory_frees_the_kept_decoders_and_runs_again(fake_cuda_graphs, monkeypatch):

@@ -20,6 +20,7 @@ model's ordinary decoder pass on the new token; only self-attention reads the ca
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch import Tensor
@@ -81,6 +82,13 @@ def check_tokens(tokens: Tensor, name: str, device: torch.device | None) -> None
                          f"use {name}.long()")
     check_device(tokens, name, device)
 
+
+#: One CUDA graph capture at a time in the process: ``torch.cuda.graph`` captures on one side
+#: stream shared by every thread (its ``default_capture_stream``), and a second thread's capture
+#: began on that stream while the first captured - which the ``"thread_local"`` capture mode
+#: (:meth:`StaticDecoder._record`) no longer stopped at its device sync - and failed, the first
+#: capture with it. Held around the capture only: the warm-up runs on a stream of its own.
+_CAPTURE_LOCK = threading.Lock()
 
 #: One compiled step per ``torch.compile`` mode, shared by every decoder: Dynamo guards on
 #: the model and the cache's shapes, so decoders of the same model and shapes reuse a graph.
@@ -329,7 +337,7 @@ class StaticDecoder:
         # ("thread_local": the capture refuses what this thread does that a graph cannot hold; the
         # default, "global", refused it in every thread - another thread's generate, whose host sync per
         # token or allocation then failed, and broke this capture - and generate keeps a decoder per thread)
-        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with _CAPTURE_LOCK, torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = static_decode_step(self.model, self.cache, self._tokens)
         self._graph, self._logits = graph, logits
         # (capture records the kernels without running them: the cache is still empty)
