@@ -129,10 +129,26 @@ def fake_cuda_graphs(monkeypatch):
 
     class Event:
         def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-            pass
+            self.stream = None
 
         def record(self, stream=None):
+            self.stream = stream
             log.events.append(("record", self))
+
+    streams = threading.local()  # (each thread's current stream: its default, or the innermost torch.cuda.stream's)
+
+    def stack() -> list:
+        if not hasattr(streams, "stack"):
+            streams.stack = [Stream()]
+        return streams.stack
+
+    @contextlib.contextmanager
+    def stream_context(stream):
+        stack().append(stream or stack()[-1])  # (torch.cuda.stream(None) changes nothing)
+        try:
+            yield
+        finally:
+            stack().pop()
 
     class CUDAGraph:
         def __init__(self, keep_graph=False):
@@ -163,8 +179,8 @@ def fake_cuda_graphs(monkeypatch):
 
     real = torch.cuda
     fakes = {"device": _bound(real.device, lambda device: contextlib.nullcontext()),
-             "current_stream": _bound(real.current_stream, lambda device=None: Stream()),
-             "Stream": Stream, "stream": _bound(real.stream, lambda stream: contextlib.nullcontext()),
+             "current_stream": _bound(real.current_stream, lambda device=None: stack()[-1]),
+             "Stream": Stream, "stream": _bound(real.stream, stream_context),
              "CUDAGraph": CUDAGraph, "graph": _bound(real.graph, graph), "Event": Event}
     for name, value in fakes.items():
         monkeypatch.setattr(torch.cuda, name, value)
@@ -798,6 +814,24 @@ def test_two_threads_capturing_at_once_take_turns(fake_cuda_graphs, monkeypatch)
         logits, cache = prefill(model, ids, mask)
         graphed.load(cache, mask), eager.load(cache, mask)
         assert torch.equal(graphed.decode(logits.argmax(-1), 3), eager.decode(logits.argmax(-1), 3))
+
+
+def test_a_decoder_given_back_from_another_cuda_stream_records_its_event_on_its_steps_stream(fake_cuda_graphs):
+    """A stream in a reference cycle is closed by the garbage collector in whatever thread
+    and CUDA stream context it runs - another thread's stream, or a capture's, where the
+    event recorded into the graph failed the next borrower's wait. The give-back's event is
+    recorded on the stream the decoder's steps ran on (the one current at its load)."""
+    from attnres.inference import stream
+
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    early = stream(model, ids, mask, max_new_tokens=6)
+    next(early), next(early)
+    steps_stream = torch.cuda.current_stream()
+    with torch.cuda.stream(torch.cuda.Stream()):  # (where the collection ran)
+        early.close()
+    [(what, given_back)] = fake_cuda_graphs.events
+    assert what == "record" and given_back.stream is steps_stream
 
 
 def test_a_prefill_out_of_memory_frees_the_kept_decoders_and_runs_again(fake_cuda_graphs, monkeypatch):

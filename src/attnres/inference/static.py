@@ -124,6 +124,7 @@ class StaticDecoder:
     ``step(tokens)`` returns the next logits (in ``"graph"`` mode a buffer that the next step
     overwrites), or ``decode(tokens, n)`` runs ``n`` greedy steps with no host sync.
     ``rewind(seq_len)`` forgets positions (benchmarks decode at a fixed context this way).
+    ``stream``: on CUDA, the stream current at the last ``load``, which its steps run on.
 
     A captured graph reads the parameters at the addresses they had at capture: ``load``
     captures again when a parameter or buffer was replaced (``model.to(...)``) or the
@@ -151,6 +152,7 @@ class StaticDecoder:
                              f">= 1 for mode='graph', got {warmup!r}: a capture can neither compile kernels nor allocate "
                              "their first workspaces")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
+        self.stream = None  # (the CUDA stream of the steps since the last load: load)
         self._graph = self._logits = self._captured_with = None
         # (the compiled step, None for the eager one: not the bound self._run_compiled, a cycle through the
         # decoder that kept its cache in memory, after release_decoders or the last reference, until a collection)
@@ -181,6 +183,9 @@ class StaticDecoder:
             self._capture()
         self.cache.load_(cache, attention_mask)
         self.length = cache.seq_len
+        # (the CUDA stream its steps run on, which a give-back records its event on: the current one where
+        # the give-back runs - the garbage collector's thread, a capture's stream - was not theirs)
+        self.stream = torch.cuda.current_stream(self.device) if cuda_graphs(self.device) else None
         if self.mode == "compiled":  # (past the recompile limit, a generation ran eagerly: this one tries again)
             self._compiled = self._compiled_step()
 
