@@ -834,6 +834,39 @@ def test_a_decoder_given_back_from_another_cuda_stream_records_its_event_on_its_
     assert what == "record" and given_back.stream is steps_stream
 
 
+def test_an_optimizer_step_during_a_capture_leaves_no_folded_queries_made_in_it(fake_cuda_graphs, monkeypatch):
+    """An optimizer step in another thread (a model trained beside one that generates) while a
+    decoder captures its graph: the capture built new folded queries, and the residual kept
+    them - on a GPU never computed outside a replay (a capture runs no kernel), so the model's
+    next eager forward read whatever that memory held. The residual keeps none made in the
+    capture; the graph, which builds its own at each replay, and the eager step agree."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    other_step = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)  # (no gradients: counted, nothing run)
+    real_step = static.static_decode_step
+
+    def step(*args):
+        if fake_cuda_graphs.capturing:  # (the other thread's step, taken meanwhile)
+            other_step.step()
+        return real_step(*args)
+
+    monkeypatch.setattr(static, "static_decode_step", step)
+    decoder = StaticDecoder(model, 3, capacity=7 + 3, mode="graph")
+    made = {t.untyped_storage().data_ptr() for *_, out in decoder._graph.capture.ops for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor)}
+    with torch.no_grad():
+        kept = model.residual.folded_queries(model.embed_tokens.weight.dtype)
+    assert kept.untyped_storage().data_ptr() not in made
+    monkeypatch.setattr(static, "static_decode_step", real_step)
+    tokens = torch.randint(0, 256, (3, 3), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for mode, built in (("graph", decoder), ("eager", StaticDecoder(model, 3, capacity=7 + 3, mode="eager"))):
+        built.load(prefill(model, ids, mask)[1], mask)
+        got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
+    torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+    assert fake_cuda_graphs.count("capture") == 1
+
+
 def test_a_prefill_out_of_memory_frees_the_kept_decoders_and_runs_again(fake_cuda_graphs, monkeypatch):
     """The kept decoders' caches are GPU memory a generation of another shape cannot use: a
     prefill that runs out of memory beside them frees them and runs again (the tokens as the

@@ -338,6 +338,9 @@ class StaticDecoder:
                 static_decode_step(self.model, self.cache, self._tokens)
         current.wait_stream(side)
         self.cache.crop_(0)
+        # (what the capture reads, taken before it: taken after, an optimizer step in another thread between
+        # the two gave new folded queries - the graph's own, then referenced by nothing, were freed under it)
+        weights = self._weights()
         graph = torch.cuda.CUDAGraph()
         # ("thread_local": the capture refuses what this thread does that a graph cannot hold; the
         # default, "global", refused it in every thread - another thread's generate, whose host sync per
@@ -345,9 +348,20 @@ class StaticDecoder:
         with _CAPTURE_LOCK, torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = static_decode_step(self.model, self.cache, self._tokens)
         self._graph, self._logits = graph, logits
+        self._captured_with = weights
+        if self._weights()[1] is not weights[1]:
+            self._drop_folded_made_in_capture()
         # (capture records the kernels without running them: the cache is still empty)
-        self._captured_with = self._weights()
         self.length = 0
+
+    def _drop_folded_made_in_capture(self) -> None:
+        """The residual's kept folded queries are not those taken before the capture: an
+        optimizer step in another thread during it made the capture build them (the graph
+        builds its own at each replay), and the residual kept them - on a GPU never computed
+        outside a replay, so the model's next eager forward read whatever that memory held.
+        ``train()`` in the residual's own mode drops them (built again at the next forward)."""
+        residual = self.model.residual
+        residual.train(residual.training)
 
 
 def _uncached_autocast(device_type: str):
