@@ -217,7 +217,8 @@ def test_a_run_in_or_named_a_checkpoints_folder_is_trained_on_with_its_own_confi
         architecture, command = train_on_from(given)
         assert architecture == "LlamaForCausalLM"
         assert command == f"attnres train --config {given / 'config.json'} init_from={given} out_dir=DIR"
-    with pytest.raises(OutputPathError, match=re.escape(f"`attnres train --config {where}/config.json init_from={where} ")):
+    start = f"`attnres train --config {where}/config.json init_from={where} "
+    with pytest.raises(OutputPathError, match=re.escape(start)):
         refuse_out_dir_not_a_run(Path(where) / "checkpoints")
 
 
