@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -102,11 +104,11 @@ def _bound(real, fake):
 
 class _Log(list):
     """The captures and replays in order; ``events``: the CUDA events recorded and waited on;
-    ``modes``: each capture's ``capture_error_mode``."""
+    ``modes``: each capture's ``capture_error_mode``; ``capturing``: the threads capturing now."""
 
     def __init__(self):
         super().__init__()
-        self.events, self.modes = [], []
+        self.events, self.modes, self.capturing = [], [], []
 
 
 @pytest.fixture
@@ -127,10 +129,26 @@ def fake_cuda_graphs(monkeypatch):
 
     class Event:
         def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-            pass
+            self.stream = None
 
         def record(self, stream=None):
+            self.stream = stream
             log.events.append(("record", self))
+
+    streams = threading.local()  # (each thread's current stream: its default, or the innermost torch.cuda.stream's)
+
+    def stack() -> list:
+        if not hasattr(streams, "stack"):
+            streams.stack = [Stream()]
+        return streams.stack
+
+    @contextlib.contextmanager
+    def stream_context(stream):
+        stack().append(stream or stack()[-1])  # (torch.cuda.stream(None) changes nothing)
+        try:
+            yield
+        finally:
+            stack().pop()
 
     class CUDAGraph:
         def __init__(self, keep_graph=False):
@@ -145,17 +163,24 @@ def fake_cuda_graphs(monkeypatch):
 
     @contextlib.contextmanager
     def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        if log.capturing and stream is None:  # (torch.cuda.graph's default_capture_stream: one for every thread)
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (another thread's "
+                               "capture on torch.cuda.graph's default capture stream)")
         log.append("capture")
         log.modes.append(capture_error_mode)
+        log.capturing.append(threading.get_ident())
         cuda_graph.capture, cuda_graph.inference = _Capture(), torch.is_inference_mode_enabled()
-        with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
-            yield
+        try:
+            with library.through_dispatcher(), cuda_graph.capture:  # (the kernels as operators the mode sees)
+                yield
+        finally:
+            log.capturing.remove(threading.get_ident())
         cuda_graph.capture.restore()
 
     real = torch.cuda
     fakes = {"device": _bound(real.device, lambda device: contextlib.nullcontext()),
-             "current_stream": _bound(real.current_stream, lambda device=None: Stream()),
-             "Stream": Stream, "stream": _bound(real.stream, lambda stream: contextlib.nullcontext()),
+             "current_stream": _bound(real.current_stream, lambda device=None: stack()[-1]),
+             "Stream": Stream, "stream": _bound(real.stream, stream_context),
              "CUDAGraph": CUDAGraph, "graph": _bound(real.graph, graph), "Event": Event}
     for name, value in fakes.items():
         monkeypatch.setattr(torch.cuda, name, value)
@@ -698,7 +723,6 @@ def test_a_stream_collected_under_the_kept_decoders_lock_gives_its_decoder_back(
     and every later generate of the process, hung). A give-back takes no lock; the decoder
     is kept at the next borrow."""
     import gc
-    import threading
 
     from attnres.inference import kept_decoders, stream
 
@@ -743,6 +767,103 @@ def test_a_decoder_given_back_mid_stream_is_waited_for_on_the_next_borrowers_cud
     want = generate(model, ids, mask, max_new_tokens=6, decode="dynamic")
     assert torch.equal(generate(model, ids, mask, max_new_tokens=6), want)
     assert fake_cuda_graphs.events[1] == ("wait", given_back) and fake_cuda_graphs.events[2][0] == "record"
+    assert fake_cuda_graphs.count("capture") == 1
+
+
+def test_two_threads_capturing_at_once_take_turns(fake_cuda_graphs, monkeypatch):
+    """Two threads building a graphed decoder at once (a server's generates of two batch
+    sizes): ``torch.cuda.graph`` captures on one side stream shared by every thread, so the
+    second capture began on the stream the first was capturing - the ``"thread_local"``
+    capture mode no longer stopped it at its device sync - and failed, the first with it.
+    Captures take turns (the first held in its capture until the second is at its own);
+    both decoders replay the eager step's logits."""
+    model = make_model(residual="attnres_block").eval()
+    real_step, real_graph = static.static_decode_step, torch.cuda.CUDAGraph
+    first_capturing, second_at_capture, errors, decoders = threading.Event(), threading.Event(), [], {}
+
+    def step(*args):
+        if fake_cuda_graphs.capturing and not first_capturing.is_set():
+            first_capturing.set()
+            second_at_capture.wait(timeout=30)
+            time.sleep(0.2)  # (the second thread, unheld, enters its capture meanwhile)
+        return real_step(*args)
+
+    def graph(*args, **kwargs):
+        if first_capturing.is_set():
+            second_at_capture.set()
+        return real_graph(*args, **kwargs)
+
+    def build(b):
+        try:
+            decoders[b] = StaticDecoder(model, b, capacity=7 + 3, mode="graph")
+        except RuntimeError as e:
+            errors.append(e)
+
+    monkeypatch.setattr(static, "static_decode_step", step)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph)
+    first = threading.Thread(target=build, args=(3,))
+    first.start()
+    assert first_capturing.wait(timeout=30)
+    second = threading.Thread(target=build, args=(2,))
+    second.start()
+    first.join(timeout=60), second.join(timeout=60)
+    assert not errors and sorted(decoders) == [2, 3] and fake_cuda_graphs.count("capture") == 2
+    for b, graphed in decoders.items():
+        ids, mask = (t[:b] for t in ragged_prompts())
+        eager = StaticDecoder(model, b, capacity=7 + 3, mode="eager")
+        logits, cache = prefill(model, ids, mask)
+        graphed.load(cache, mask), eager.load(cache, mask)
+        assert torch.equal(graphed.decode(logits.argmax(-1), 3), eager.decode(logits.argmax(-1), 3))
+
+
+def test_a_decoder_given_back_from_another_cuda_stream_records_its_event_on_its_steps_stream(fake_cuda_graphs):
+    """A stream in a reference cycle is closed by the garbage collector in whatever thread
+    and CUDA stream context it runs - another thread's stream, or a capture's, where the
+    event recorded into the graph failed the next borrower's wait. The give-back's event is
+    recorded on the stream the decoder's steps ran on (the one current at its load)."""
+    from attnres.inference import stream
+
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    early = stream(model, ids, mask, max_new_tokens=6)
+    next(early), next(early)
+    steps_stream = torch.cuda.current_stream()
+    with torch.cuda.stream(torch.cuda.Stream()):  # (where the collection ran)
+        early.close()
+    [(what, given_back)] = fake_cuda_graphs.events
+    assert what == "record" and given_back.stream is steps_stream
+
+
+def test_an_optimizer_step_during_a_capture_leaves_no_folded_queries_made_in_it(fake_cuda_graphs, monkeypatch):
+    """An optimizer step in another thread (a model trained beside one that generates) while a
+    decoder captures its graph: the capture built new folded queries, and the residual kept
+    them - on a GPU never computed outside a replay (a capture runs no kernel), so the model's
+    next eager forward read whatever that memory held. The residual keeps none made in the
+    capture; the graph, which builds its own at each replay, and the eager step agree."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    other_step = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)  # (no gradients: counted, nothing run)
+    real_step = static.static_decode_step
+
+    def step(*args):
+        if fake_cuda_graphs.capturing:  # (the other thread's step, taken meanwhile)
+            other_step.step()
+        return real_step(*args)
+
+    monkeypatch.setattr(static, "static_decode_step", step)
+    decoder = StaticDecoder(model, 3, capacity=7 + 3, mode="graph")
+    made = {t.untyped_storage().data_ptr() for *_, out in decoder._graph.capture.ops for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor)}
+    with torch.no_grad():
+        kept = model.residual.folded_queries(model.embed_tokens.weight.dtype)
+    assert kept.untyped_storage().data_ptr() not in made
+    monkeypatch.setattr(static, "static_decode_step", real_step)
+    tokens = torch.randint(0, 256, (3, 3), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for mode, built in (("graph", decoder), ("eager", StaticDecoder(model, 3, capacity=7 + 3, mode="eager"))):
+        built.load(prefill(model, ids, mask)[1], mask)
+        got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
+    torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
     assert fake_cuda_graphs.count("capture") == 1
 
 

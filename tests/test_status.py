@@ -200,6 +200,28 @@ def test_dot_from_within_a_run_s_checkpoints_stands_for_the_run(runs, monkeypatc
         refuse_out_dir_not_a_run(".")  # (out_dir=. there: it was "a training checkpoint", of no run)
 
 
+@pytest.mark.parametrize("where", ["checkpoints/run", "runs/checkpoints"])
+def test_a_run_in_or_named_a_checkpoints_folder_is_trained_on_with_its_own_config(tmp_path, monkeypatch, where):
+    """A run kept in a folder named ``checkpoints`` (``~/checkpoints/RUN``), or named so itself,
+    was taken for a checkpoint (or the checkpoints/ folder) of the folder above it: the command
+    that trains on from it named that folder's config.json, and not the run's architecture."""
+    from attnres.checkpoint.locate import refuse_out_dir_not_a_run, train_on_from
+    from attnres.output_paths import OutputPathError
+
+    run = tmp_path / where
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000002" / "state.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"model": {"hf_architecture": "LlamaForCausalLM"}}))
+    monkeypatch.chdir(tmp_path)
+    for given in (run, Path(where)):
+        architecture, command = train_on_from(given)
+        assert architecture == "LlamaForCausalLM"
+        assert command == f"attnres train --config {given / 'config.json'} init_from={given} out_dir=DIR"
+    start = f"`attnres train --config {where}/config.json init_from={where} "
+    with pytest.raises(OutputPathError, match=re.escape(start)):
+        refuse_out_dir_not_a_run(Path(where) / "checkpoints")
+
+
 @pytest.mark.parametrize("command", ["status", "plot"])
 def test_a_file_or_a_misspelt_folder_is_an_error(runs, tmp_path, command, capsys):
     """`attnres status corpus.txt` said "no training runs under corpus.txt" with exit status 0;

@@ -277,7 +277,9 @@ def _run_of_output(path: Path) -> Path:
     ``checkpoints/`` (``step-00000002``, ``.``), which was taken for the run itself
     (``--config step-00000002/config.json``)."""
     whole = Path(os.path.abspath(path))  # (no symlink resolved: the run as the user reaches it)
-    run = whole.parent if whole.name == "checkpoints" else \
+    # (a run holds checkpoints/ whatever its name or its parent's: runs kept in a folder named
+    # checkpoints, ~/checkpoints/RUN, were taken for a checkpoint of a run ~, the config named ~/config.json)
+    run = whole if (whole / "checkpoints").is_dir() else whole.parent if whole.name == "checkpoints" else \
         whole.parent.parent if whole.parent.name == "checkpoints" else whole
     return reached_as(run, path)
 

@@ -154,13 +154,15 @@ def _give_back(kept: _KeptDecoders, key: tuple, decoder: StaticDecoder) -> None:
 
 
 def _steps_queued(decoder: StaticDecoder):
-    """On CUDA, an event recorded after the steps queued on the current stream (the last one
-    of a stream closed early may still run), for the next borrower to wait on; ``None`` off
-    CUDA."""
+    """On CUDA, an event recorded after the steps queued on the stream they run on (the last
+    one of a stream closed early may still run), for the next borrower to wait on; ``None`` off
+    CUDA. Not the current stream: a stream in a reference cycle is closed by the garbage
+    collector in whatever thread and CUDA stream context it runs - a capture's, where the event
+    recorded into the graph failed the next borrower's wait (``cudaErrorCapturedEvent``)."""
     if not _static.cuda_graphs(decoder.device):
         return None
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(decoder.device))
+    event.record(torch.cuda.current_stream(decoder.device) if decoder.stream is None else decoder.stream)
     return event
 
 

@@ -20,6 +20,7 @@ model's ordinary decoder pass on the new token; only self-attention reads the ca
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch import Tensor
@@ -82,6 +83,13 @@ def check_tokens(tokens: Tensor, name: str, device: torch.device | None) -> None
     check_device(tokens, name, device)
 
 
+#: One CUDA graph capture at a time in the process: ``torch.cuda.graph`` captures on one side
+#: stream shared by every thread (its ``default_capture_stream``), and a second thread's capture
+#: began on that stream while the first captured - which the ``"thread_local"`` capture mode
+#: (:meth:`StaticDecoder._record`) no longer stopped at its device sync - and failed, the first
+#: capture with it. Held around the capture only: the warm-up runs on a stream of its own.
+_CAPTURE_LOCK = threading.Lock()
+
 #: One compiled step per ``torch.compile`` mode, shared by every decoder: Dynamo guards on
 #: the model and the cache's shapes, so decoders of the same model and shapes reuse a graph.
 _COMPILED: dict[str | None, object] = {}
@@ -116,6 +124,7 @@ class StaticDecoder:
     ``step(tokens)`` returns the next logits (in ``"graph"`` mode a buffer that the next step
     overwrites), or ``decode(tokens, n)`` runs ``n`` greedy steps with no host sync.
     ``rewind(seq_len)`` forgets positions (benchmarks decode at a fixed context this way).
+    ``stream``: on CUDA, the stream current at the last ``load``, which its steps run on.
 
     A captured graph reads the parameters at the addresses they had at capture: ``load``
     captures again when a parameter or buffer was replaced (``model.to(...)``) or the
@@ -143,6 +152,7 @@ class StaticDecoder:
                              f">= 1 for mode='graph', got {warmup!r}: a capture can neither compile kernels nor allocate "
                              "their first workspaces")
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
+        self.stream = None  # (the CUDA stream of the steps since the last load: load)
         self._graph = self._logits = self._captured_with = None
         # (the compiled step, None for the eager one: not the bound self._run_compiled, a cycle through the
         # decoder that kept its cache in memory, after release_decoders or the last reference, until a collection)
@@ -173,6 +183,9 @@ class StaticDecoder:
             self._capture()
         self.cache.load_(cache, attention_mask)
         self.length = cache.seq_len
+        # (the CUDA stream its steps run on, which a give-back records its event on: the current one where
+        # the give-back runs - the garbage collector's thread, a capture's stream - was not theirs)
+        self.stream = torch.cuda.current_stream(self.device) if cuda_graphs(self.device) else None
         if self.mode == "compiled":  # (past the recompile limit, a generation ran eagerly: this one tries again)
             self._compiled = self._compiled_step()
 
@@ -325,16 +338,30 @@ class StaticDecoder:
                 static_decode_step(self.model, self.cache, self._tokens)
         current.wait_stream(side)
         self.cache.crop_(0)
+        # (what the capture reads, taken before it: taken after, an optimizer step in another thread between
+        # the two gave new folded queries - the graph's own, then referenced by nothing, were freed under it)
+        weights = self._weights()
         graph = torch.cuda.CUDAGraph()
         # ("thread_local": the capture refuses what this thread does that a graph cannot hold; the
         # default, "global", refused it in every thread - another thread's generate, whose host sync per
         # token or allocation then failed, and broke this capture - and generate keeps a decoder per thread)
-        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with _CAPTURE_LOCK, torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = static_decode_step(self.model, self.cache, self._tokens)
         self._graph, self._logits = graph, logits
+        self._captured_with = weights
+        if self._weights()[1] is not weights[1]:
+            self._drop_folded_made_in_capture()
         # (capture records the kernels without running them: the cache is still empty)
-        self._captured_with = self._weights()
         self.length = 0
+
+    def _drop_folded_made_in_capture(self) -> None:
+        """The residual's kept folded queries are not those taken before the capture: an
+        optimizer step in another thread during it made the capture build them (the graph
+        builds its own at each replay), and the residual kept them - on a GPU never computed
+        outside a replay, so the model's next eager forward read whatever that memory held.
+        ``train()`` in the residual's own mode drops them (built again at the next forward)."""
+        residual = self.model.residual
+        residual.train(residual.training)
 
 
 def _uncached_autocast(device_type: str):
