@@ -122,6 +122,27 @@ def test_the_train_on_command_of_a_stopped_resumed_run_trains_to_its_steps(tmp_p
     assert "stopped at step 1 of 4 (stop_after)" in capsys.readouterr().out
 
 
+def test_the_left_out_note_of_a_runs_config_is_rank_zeros(tmp_path, monkeypatch):
+    """``load_config(RUN/config.json)`` under torchrun: every rank reads the same file, and the
+    note of its left-out ``stop_after`` was said once per rank. Rank 0 says it; the others
+    leave the file's field out as quietly."""
+    import json
+    import warnings
+
+    from attnres.train.config import TrainConfig, load_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # (a run's directory: its config.json is the run's)
+    (run / "config.json").write_text(json.dumps({**TrainConfig().to_dict(), "stop_after": 2}))
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(run / "config.json").stop_after is None
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match=r"is a training run's config: left out its stop_after=2,"):
+        load_config(run / "config.json")
+
+
 def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):
     """``attnres compare --out -g`` (from its folder): status's command to continue a stopped
     run of the grid said ``--out -g``, which argparse refuses ("expected one argument"). The
