@@ -917,6 +917,10 @@ def test_a_model_built_on_the_meta_device_runs_there_and_materialises_exactly(re
     out.loss.backward()
     assert out.logits.shape == (2, 8, config.vocab_size) and out.logits.device.type == "meta"
     model.to_empty(device="cpu")
+    if residual != "standard":  # (init_weights forgotten: NaN logits without a word; refused at the forward)
+        with pytest.raises(ValueError, match=r"hold the uninitialised memory to_empty\(\) left .* "
+                                             r"AttnResLM\.init_weights\(\) for the whole model"):
+            model(torch.zeros(2, 8, dtype=torch.long))
     torch.manual_seed(0)
     model.init_weights()
     reference = AttnResLM(config)

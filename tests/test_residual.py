@@ -449,6 +449,41 @@ def test_a_model_built_on_the_meta_device_runs_its_forward_and_backward_there(ma
 
 
 @pytest.mark.parametrize("kind", [k for k in registered_residuals() if residual_class(k).builtin()])
+def test_a_residual_materialised_by_to_empty_refuses_its_first_forward_until_its_parameters_are_written(kind):
+    """``to_empty(device=...)`` of a residual built on meta, then the forward without
+    ``reset_parameters()``: its pseudo-queries held uninitialised memory (~1e24 or NaN) and the
+    output was NaN, without a word. The first forward refuses, naming the fix, until each
+    parameter is written: by ``reset_parameters()`` (the same function as a residual built on
+    the CPU) or by a load; the refusal is then gone."""
+    config = ResidualConfig(kind=kind, block_size=2)
+    reference = build_residual(config, 8, 4)
+    x = torch.randn(2, 3, 8)
+
+    def output(residual):
+        state = residual.start(x)
+        for l in range(4):
+            residual.add_output(state, l, torch.tanh(residual.sublayer_input(state, l)))
+        return residual.finish(state)
+
+    def reset(residual):  # (highway's and others' init draws: the same draws as the reference's)
+        torch.manual_seed(0)
+        residual.reset_parameters()
+
+    reset(reference)
+    for write in (reset, lambda r: r.load_state_dict(reference.state_dict())):
+        with torch.device("meta"):
+            residual = build_residual(config, 8, 4)
+        residual.to_empty(device="cpu")
+        if next(residual.parameters(), None) is not None:
+            with pytest.raises(ValueError, match=rf"\.start: parameter\(s\) \[.*\] of residual '{kind}' hold the "
+                                                 r"uninitialised memory to_empty\(\) left .* residual\.reset_parameters\(\)"):
+                output(residual)
+        write(residual)
+        torch.testing.assert_close(output(residual), output(reference), rtol=0, atol=0)
+        assert "_materialised" not in residual.__dict__  # (no later forward looks)
+
+
+@pytest.mark.parametrize("kind", [k for k in registered_residuals() if residual_class(k).builtin()])
 def test_a_meta_embedding_runs_on_a_residual_on_meta_and_is_refused_by_name_by_one_with_parameters_elsewhere(kind):
     """A meta embedding (a shape query) was let through ``start`` whatever the parameters'
     device: Full and Block AttnRes, layerscale, highway and the hyper-connection kinds then

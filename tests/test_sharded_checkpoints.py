@@ -705,9 +705,42 @@ def worker(root: Path) -> None:
     other = save_sharded(root / "node2", 4, params, torch.optim.AdamW(model.parameters()), {}, keep=1)
     attempt("another checkpoint on rank 1", lambda: load_sharded(intact if rank == 0 else other, params,
                                                                  verified=verified))
+    consolidated_from_own_copies(root, rank, model, attempt)
     (root / f"rank{rank}.json").write_text(json.dumps(ended))
     dist.barrier()  # (every rank has answered: none was left waiting)
     dist.destroy_process_group()
+
+
+def consolidated_from_own_copies(root: Path, rank: int, model: torch.nn.Module, attempt) -> None:
+    """The trainer's check of a consolidated checkpoint on several ranks
+    (``verify_files_on_every_rank``, of the files each rank reads, with rank 0's verified
+    ``state.json``): intact on every rank; with rank 1 reading a copy of its own whose
+    ``model.safetensors`` has one byte changed (an out_dir the nodes do not share)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from attnres.checkpoint import read_checkpoint_state, write_checkpoint
+    from attnres.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, RNG_FILE
+    from attnres.checkpoint.sharded import verify_files_on_every_rank
+
+    if rank == 0:
+        write_checkpoint(root / "whole0", 5, model.state_dict(), torch.optim.AdamW(model.parameters()).state_dict(), {},
+                         keep=1)
+    dist.barrier()
+    intact = root / "whole0" / "checkpoints" / "step-00000005"
+    own = root / "whole1" / "checkpoints" / intact.name
+    if rank == 1:
+        shutil.copytree(intact, own)
+        data = bytearray((own / MODEL_FILE).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (own / MODEL_FILE).write_bytes(bytes(data))
+    dist.barrier()
+    verified = read_checkpoint_state(intact)  # (rank 0 found and verified it; every rank has its state.json)
+    reads = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE)
+    attempt("consolidated, verified on rank 0", lambda: verify_files_on_every_rank(intact, reads, verified))
+    attempt("consolidated, damaged on rank 1",
+            lambda: verify_files_on_every_rank(intact if rank == 0 else own, reads, verified))
 
 
 @pytest.fixture(scope="module")
@@ -788,6 +821,42 @@ def test_a_rank_s_copy_of_another_checkpoint_than_rank_0_verified_is_refused_on_
         f"CheckpointError: checkpoint {str(root / 'node2' / 'checkpoints' / 'step-00000004')!r} is not the one rank 0 "
         "verified: dcp/"), ended
     assert ended[1]["another checkpoint on rank 1"].endswith(" (as rank 1 sees it)"), ended
+
+
+@pytest.mark.slow  # (the same launch)
+def test_a_rank_s_damaged_copy_of_a_consolidated_checkpoint_fails_on_every_rank_together(two_ranks):
+    """A multi-rank run resumed or started from a consolidated checkpoint: rank 0 verified it
+    when it found it, and every rank read model.safetensors (and the optimiser's and generators'
+    files) from its own out_dir unchecked, so a rank's damaged copy (an out_dir the nodes do not
+    share) loaded as it was. Each other rank now hashes what it reads, and every rank raises the
+    same CheckpointError naming the rank; an intact one passes on every rank."""
+    root, ended = two_ranks
+    assert ended[0]["consolidated, verified on rank 0"] == ended[1]["consolidated, verified on rank 0"] == "done", ended
+    assert ended[0]["consolidated, damaged on rank 1"] == ended[1]["consolidated, damaged on rank 1"] == (
+        f"CheckpointError: checkpoint {str(root / 'whole1' / 'checkpoints' / 'step-00000005')!r} is corrupted: "
+        "model.safetensors does not match its SHA-256 in state.json (as rank 1 sees it)"), ended
+
+
+def test_a_run_from_a_consolidated_checkpoint_checks_the_files_each_rank_reads(tmp_path, monkeypatch):
+    """The trainer checks, on every rank (a collective: nothing in one process), the files of a
+    consolidated checkpoint each rank reads against the state rank 0 verified: the weights, and
+    resuming the optimiser's and generators' states too."""
+    import attnres.train.loop as loop
+
+    checked = []
+    real = loop.verify_files_on_every_rank
+    monkeypatch.setattr(loop, "verify_files_on_every_rank",
+                        lambda path, names, verified: checked.append((path.name, tuple(names))) or
+                        real(path, names, verified))
+    from test_train import overrides, write_corpus
+
+    corpus = write_corpus(tmp_path / "text.txt", n_lines=100)
+    run, again = overrides(corpus, tmp_path / "a", steps=2, stop_after=1), overrides(corpus, tmp_path / "b", steps=1)
+    assert cli_main(["train", *run]) == 0
+    assert cli_main(["train", *run, "--resume", "stop_after=null"]) == 0
+    assert cli_main(["train", *again, f"init_from={tmp_path / 'a'}"]) == 0
+    assert checked == [("step-00000001", ("model.safetensors", "optimizer.safetensors", "rng.safetensors")),
+                       ("step-00000002", ("model.safetensors",))], checked
 
 
 if __name__ == "__main__":

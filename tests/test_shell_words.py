@@ -54,6 +54,36 @@ def test_out_dir_in_a_checkpoint_names_the_run_pasteably(tmp_path):
     assert ["attnres", "train", "--config", str(run / "config.json"), f"init_from={step}", "out_dir=DIR"] in commands
 
 
+@pytest.mark.parametrize(("parallel", "launch", "ranks"), [
+    ({"tp": 2, "pp": 1, "dp": None}, {"world_size": 4, "local_world_size": 4}, "--nproc-per-node 4"),
+    ({"tp": 2, "pp": 2, "dp": None}, None, "--nproc-per-node 4"),  # (no launch recorded: the fewest ranks)
+    ({"tp": 2, "pp": 1, "dp": 2}, {"world_size": 3, "local_world_size": 3}, "--nproc-per-node 4"),  # (not its layout)
+    ({"tp": 1, "pp": 2, "dp": None}, {"world_size": 4, "local_world_size": 2}, "..."),  # (two nodes: the user's)
+])
+def test_the_train_on_command_of_a_tp_pp_run_is_launched_as_its_layout_asks(tmp_path, parallel, launch, ranks):
+    """A tp/pp run's config.json keeps its ``parallel.*`` layout, which ``--config`` takes: the
+    printed train-on command (``attnres train --config RUN/config.json init_from=... out_dir=DIR``)
+    run as printed, in one process, was refused (the layout asks for several ranks). It is
+    launched under torchrun on the ranks the run recorded, where they fit its layout."""
+    import json
+
+    from attnres.checkpoint.locate import train_on_from
+    from attnres.distributed.parallel import ParallelConfig, resolve_degrees
+
+    run = _run(tmp_path / "run")
+    (run / "config.json").write_text(json.dumps({"model": {}, "parallel": parallel}))
+    state = {"launch": launch} if launch is not None else {}
+    (run / "checkpoints" / "step-00000001" / "state.json").write_text(json.dumps(state))
+    command = train_on_from(run)[1]
+    torchrun = "torchrun ..." if ranks == "..." else f"torchrun --standalone {ranks}"
+    assert command == f"{torchrun} -m attnres train --config {run / 'config.json'} init_from={run} out_dir=DIR"
+    if ranks != "...":  # (the layout resolves on the ranks launched)
+        resolve_degrees(ParallelConfig.from_dict(parallel), int(ranks.split()[-1]))
+    (run / "config.json").write_text(json.dumps({"model": {}}))  # a one-process run: as it was
+    (run / "checkpoints" / "step-00000001" / "state.json").write_text(json.dumps({"launch": {"world_size": 1}}))
+    assert train_on_from(run)[1] == f"attnres train --config {run / 'config.json'} init_from={run} out_dir=DIR"
+
+
 def test_a_folder_of_runs_names_its_run_pasteably(tmp_path):
     runs = tmp_path / "Läufe 2026"
     run = _run(runs / "run 'b'")
@@ -120,6 +150,27 @@ def test_the_train_on_command_of_a_stopped_resumed_run_trains_to_its_steps(tmp_p
     assert "finished at step 4" in capsys.readouterr().out
     assert cli_main([*train_on[1:], "steps=4", f"out_dir={tmp_path / 'short'}", "stop_after=1"]) == 0
     assert "stopped at step 1 of 4 (stop_after)" in capsys.readouterr().out
+
+
+def test_the_left_out_note_of_a_runs_config_is_rank_zeros(tmp_path, monkeypatch):
+    """``load_config(RUN/config.json)`` under torchrun: every rank reads the same file, and the
+    note of its left-out ``stop_after`` was said once per rank. Rank 0 says it; the others
+    leave the file's field out as quietly."""
+    import json
+    import warnings
+
+    from attnres.train.config import TrainConfig, load_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # (a run's directory: its config.json is the run's)
+    (run / "config.json").write_text(json.dumps({**TrainConfig().to_dict(), "stop_after": 2}))
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(run / "config.json").stop_after is None
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match=r"is a training run's config: left out its stop_after=2,"):
+        load_config(run / "config.json")
 
 
 def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):

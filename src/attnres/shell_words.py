@@ -20,3 +20,14 @@ def shell_path(path: str | os.PathLike) -> str:
     split in two when pasted). Fits a positional argument, an option's value and a
     ``key=VALUE`` override alike."""
     return shlex.quote(path_argument(path))
+
+
+def launched(command: str, world: int, per_node: int | None) -> str:
+    """``command`` (``attnres ...``) as launched on ``world`` ranks: itself for one process,
+    else as a module under torchrun, ``torchrun --standalone --nproc-per-node WORLD -m attnres
+    ...`` where they were one node's (``per_node`` ranks a node); the launch options of several
+    nodes are the user's to repeat (``torchrun ...``)."""
+    if world <= 1:
+        return command
+    launcher = f"torchrun --standalone --nproc-per-node {world}" if per_node == world else "torchrun ..."
+    return f"{launcher} -m {command}"

@@ -62,7 +62,7 @@ from ..nn.compiled import by_own_names, uncompiled, uncompiled_name
 from ..validation import check_sizes
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
-           "verify_dcp_files"]
+           "verify_dcp_files", "verify_files_on_every_rank"]
 
 DCP_LAYOUT = "dcp"
 DCP_DIR = "dcp"
@@ -296,12 +296,32 @@ def _verify_on_every_rank(path: Path, reads: Callable[[], set[str]], verified: d
             _verify(path)
         return
     rank = dist.get_rank()
+    _agree_on_verification(path, lambda: _verify_files_read(path, reads(), verified) if rank else
+                           None if verified is not None else _verify(path))
+
+
+def verify_files_on_every_rank(path: str | Path, names: Collection[str], verified: dict[str, Any]) -> None:
+    """Of a consolidated checkpoint rank 0 verified (``verified``: its ``state.json``, found by
+    ``find_valid_checkpoint`` on rank 0 and handed to every rank), each other rank verifies the
+    files ``names`` it reads (size and SHA-256, as :func:`_verify_on_every_rank` does a sharded
+    one's) against the ``state.json`` it sees and rank 0's: every rank reads the whole
+    ``model.safetensors`` (and, resuming, the optimiser's and generators' files) from its own
+    out_dir, and a damaged copy of its own (an out_dir the nodes do not share) loaded silently.
+    Every rank raises the same :class:`CheckpointError`, the lowest failing rank's. Every rank
+    must call it (a collective); nothing in one process (rank 0 verified it)."""
+    if not _several_ranks():
+        return
+    path, rank = Path(path), dist.get_rank()
+    _agree_on_verification(path, lambda: rank and _same_as_verified(path, read_checkpoint_state(path, only=names), names,
+                                                                    verified))
+
+
+def _agree_on_verification(path: Path, check: Callable[[], Any]) -> None:
+    """``check()`` of ``path`` on this rank; every rank raises the same :class:`CheckpointError`,
+    the lowest failing rank's, when any fails: a rank that raised alone left the others
+    waiting in their next collective."""
     try:
-        if rank == 0:
-            if verified is None:
-                _verify(path)
-        else:
-            _verify_files_read(path, reads(), verified)
+        check()
         problem = None
     except Exception as e:  # noqa: BLE001 - any failure (an unreadable file's OSError too) is every rank's
         problem = str(e) if isinstance(e, CheckpointError) else \
@@ -315,13 +335,19 @@ def _verify_on_every_rank(path: Path, reads: Callable[[], set[str]], verified: d
 
 def _verify_files_read(path: Path, names: set[str], verified: dict[str, Any] | None) -> None:
     """Verify the files ``names`` of the sharded checkpoint ``path`` against its ``state.json``
-    as this rank reads it and, where rank 0 verified one (``verified``), against that: a copy of
-    its own that verifies by itself but is of another checkpoint (another run's ``step-*`` of the
-    same name, in an out_dir the nodes do not share) is not what rank 0 checked."""
+    as this rank reads it and, where rank 0 verified one (``verified``), against that
+    (:func:`_same_as_verified`)."""
     state = read_checkpoint_state(path, only=names)
     verify_dcp_files(path, state)
-    if verified is None:
-        return
+    if verified is not None:
+        _same_as_verified(path, state, names, verified)
+
+
+def _same_as_verified(path: Path, state: dict[str, Any], names: Collection[str], verified: dict[str, Any]) -> None:
+    """:class:`CheckpointError` where one of the files ``names`` of ``state`` (the ``state.json``
+    this rank reads) is listed otherwise in ``verified`` (rank 0's): a copy of its own that
+    verifies by itself but is of another checkpoint (another run's ``step-*`` of the same name,
+    in an out_dir the nodes do not share) is not what rank 0 checked."""
     theirs = verified.get("files") or {}
     other = sorted(name for name in names if state["files"].get(name) != theirs.get(name))
     if other:

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from ..shell_words import shell_path
+from ..shell_words import launched, shell_path
 from ..user_warning import at_the_raise_site
 from ..validation import did_you_mean, did_you_mean_each
 
@@ -388,8 +388,7 @@ def resume_command(out_dir: str, attnres: str, parallel: dict, world: int, per_n
     default = ParallelConfig().to_dict()
     layout = "".join(f" parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
                      for k, v in parallel.items() if k in default and v != default[k])
-    launcher = f"torchrun --standalone --nproc-per-node {world}" if per_node == world else "torchrun ..."
-    return f"{launcher} -m {attnres} train {resume}{layout}"
+    return launched(f"{attnres} train {resume}{layout}", world, per_node)
 
 
 def apply_cpu_allocator(settings: dict) -> None:

@@ -766,9 +766,14 @@ INVOCATION_FIELDS = ("stop_after", "resume", "resume_from")
 
 
 def _note_left_out(path: str | Path, left_out: dict[str, Any]) -> None:
-    """Warn that the :data:`INVOCATION_FIELDS` ``left_out`` of a run's config file were not taken."""
+    """Warn that the :data:`INVOCATION_FIELDS` ``left_out`` of a run's config file were not taken.
+    Rank 0 only, as the run's other one-time notes: every rank of a launch reads the same file
+    (``load_config`` under torchrun said it once per rank), and the config is read before the
+    process group is up, so torchrun's ``RANK`` tells."""
     from ..user_warning import warn_user
 
+    if os.environ.get("RANK", "0") != "0":
+        return
     values = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in left_out.items())
     one = len(left_out) == 1
     warn_user(f"config file {str(path)!r} is a training run's config: left out its {values}, which "

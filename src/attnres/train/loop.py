@@ -54,6 +54,8 @@ from ..checkpoint import (
     write_checkpoint,
 )
 from ..checkpoint.locate import train_on_from
+from ..checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, RNG_FILE
+from ..checkpoint.sharded import verify_files_on_every_rank
 from ..data.corpus import absolute_paths, data_files
 from ..data.tokenizer import TOKENIZER_KINDS, tokenizer_file
 from ..distributed.data_parallel import shard_optimizer_state
@@ -361,6 +363,10 @@ class Trainer:
             raise on_every_rank(CheckpointError(
                 f"{str(source.path)!r} is a consolidated checkpoint; pipeline-parallel runs (parallel.pp > 1) start "
                 f"from sharded (DCP) checkpoints only: {way}"))
+        # (verified when it was found, on rank 0; each other rank reads the files from its own out_dir: the
+        # weights, and resuming the optimiser's and generators' states, :meth:`_load_states`)
+        reads = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE) if source is resume else (MODEL_FILE,)
+        verify_files_on_every_rank(source.path, reads, source.state)
         return load
 
     def _build_model(self) -> ParallelModel:

@@ -288,6 +288,34 @@ class ResidualStream(DrivenModule, ABC):
             raise ValueError(f"{where} is on {x.device} but this residual's parameters are on {param.device}; {fix}")
         if param is not None and type(param) is not nn.Parameter:
             self._refuse_sharded(where, param, x)
+        if "_materialised" in self.__dict__:  # (one lookup a forward: set by to_empty, gone once each is written)
+            self._refuse_unwritten(f"{type(self).__name__}.{call}")
+
+    def _apply(self, fn, recurse: bool = True):
+        # `to_empty(device=...)` of a residual built on meta gives its parameters uninitialised memory (queries
+        # of ~1e24 or NaN, a NaN output without a word) until reset_parameters() or a load writes them: each
+        # one's version and storage as materialised are kept, and the first forward refuses while one is
+        # unchanged (_refuse_unwritten). (A parameter written through `.data` bumps no version: refused too.)
+        was_meta = any(p.is_meta for p in self.parameters())
+        out = super()._apply(fn, recurse)
+        if was_meta and not any(p.is_meta for p in self.parameters()):
+            self._materialised = {name: (p._version, p.data_ptr()) for name, p in self.named_parameters()
+                                  if type(p) is nn.Parameter}
+        return out
+
+    def _refuse_unwritten(self, where: str) -> None:
+        """``ValueError`` where a parameter still holds what ``to_empty`` left (:meth:`_apply`);
+        else the record goes, and no later forward looks."""
+        marks = self._materialised
+        unwritten = [name for name, p in self.named_parameters()
+                     if type(p) is nn.Parameter and marks.get(name) == (p._version, p.data_ptr())]
+        if unwritten:
+            raise ValueError(f"{where}: parameter(s) {unwritten[:3]} of residual {self._label()} hold the uninitialised "
+                             "memory to_empty() left (pseudo-queries of ~1e24 or NaN: a NaN output); initialise them "
+                             "after to_empty with residual.reset_parameters() (the report's init: zero queries, unit "
+                             "key-norm gains; AttnResLM.init_weights() for the whole model), or load weights into them "
+                             "(load_state_dict, or in place under torch.no_grad(): a write through .data is not seen)")
+        del self._materialised
 
     def _refuse_sharded(self, where: str, param: Tensor, x: Tensor) -> None:
         """``ValueError`` where ``param`` is a DTensor and ``x`` a plain tensor: FSDP2 applied to
