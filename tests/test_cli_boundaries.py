@@ -1989,7 +1989,8 @@ def test_a_checkpoint_trained_with_the_triton_backend_generates_where_triton_can
     """A run trained on a GPU with `model.residual.backend=triton` stores that backend; loaded on
     a CPU, its first forward refused it ("use backend='auto' ... or 'torch'"), which `attnres
     generate` and `eval` have no option to set. The backend picks the implementation, not the
-    weights: the checkpoint now loads with backend='auto', said in a warning."""
+    weights: the checkpoint now loads with backend='auto', said in a warning (and an export of it,
+    for any machine, stores 'auto')."""
     import json
     import shutil
 
@@ -2010,3 +2011,7 @@ def test_a_checkpoint_trained_with_the_triton_backend_generates_where_triton_can
     with pytest.warns(UserWarning, match="backend='triton'"):
         assert cli_main(["generate", str(run), *_GREEDY_8, "--prompt", "the"]) == 0
     assert "8 tokens in" in capsys.readouterr().err
+    if importlib.util.find_spec("transformers") is not None:  # (an export, for any machine, stores 'auto')
+        with pytest.warns(UserWarning, match="backend='triton'"):
+            assert cli_main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["residual"]["backend"] == "auto"
