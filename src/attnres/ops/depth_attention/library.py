@@ -87,7 +87,7 @@ def triton_unavailable(device: torch.device) -> str | None:
         return f"the Triton kernels run on CUDA GPUs, and the device is {device.type}"
     triton_impl = _triton_impl()
     if isinstance(triton_impl, ImportError):
-        return f"the triton package cannot be imported here ({triton_impl}; pip install triton)"
+        return f"triton cannot be imported here: {triton_impl}"
     return None
 
 
