@@ -1982,3 +1982,36 @@ def test_generate_help_says_how_several_prompts_are_headed_and_run():
     said = " ".join(generate.format_help().split())
     assert "'==> 2/3: --prompt #2 <=='" in said and "PROMPT <==" not in said
     assert "continued together in one batch" in said
+
+
+def test_a_checkpoint_trained_with_the_triton_backend_generates_where_triton_cannot_run(run_dir, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A run trained on a GPU with `model.residual.backend=triton` stores that backend; loaded on
+    a CPU, its first forward refused it ("use backend='auto' ... or 'torch'"), which `attnres
+    generate` and `eval` have no option to set. The backend picks the implementation, not the
+    weights: the checkpoint now loads with backend='auto', said in a warning (and an export of it,
+    for any machine, stores 'auto')."""
+    import json
+    import shutil
+
+    from attnres.checkpoint.manifest import STATE_FILE, latest_checkpoint, seal_state
+    from attnres.inference import load_run
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    ckpt = latest_checkpoint(run)
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    doc["config"]["model"]["residual"]["backend"] = "triton"
+    (ckpt / STATE_FILE).write_text(json.dumps(seal_state({k: v for k, v in doc.items() if k != "state_sha256"})))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the suite's interpreter runs Triton on the CPU)
+    with pytest.warns(UserWarning, match=r"trained with model.residual.backend='triton', which cannot run here \(the "
+                                         r"Triton kernels run on CUDA GPUs, and the device is cpu\): loading it with "
+                                         r"backend='auto'"):
+        assert load_run(run).model.config.residual.backend == "auto"
+    with pytest.warns(UserWarning, match="backend='triton'"):
+        assert cli_main(["generate", str(run), *_GREEDY_8, "--prompt", "the"]) == 0
+    assert "8 tokens in" in capsys.readouterr().err
+    if importlib.util.find_spec("transformers") is not None:  # (an export, for any machine, stores 'auto')
+        with pytest.warns(UserWarning, match="backend='triton'"):
+            assert cli_main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["residual"]["backend"] == "auto"

@@ -375,7 +375,9 @@ def test_a_cuda_out_of_memory_is_told_in_words():
 
 def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys):
     """``attnres env`` where CUDA is available (the calls faked, bound against torch's): each
-    device by name and compute capability, and the Triton kernels for depth attention."""
+    device by name and compute capability, and the Triton kernels for depth attention - or
+    PyTorch where triton is installed but cannot be imported (said "the Triton kernels", from
+    triton's installed version alone, while every operator ran PyTorch)."""
     from importlib import metadata
 
     from attnres.cli import main as cli_main
@@ -395,6 +397,12 @@ def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys):
     except metadata.PackageNotFoundError:
         kernels = "PyTorch (triton is not installed: pip install triton)"
     assert f"\n  cuda   {kernels}\n" in text, text
+    # triton installed but not importable (broken, or built for another torch): PyTorch runs, and says why
+    if kernels.startswith("the Triton kernels"):
+        monkeypatch.setattr(library, "_triton_impl", lambda: ImportError("cannot import name 'knobs' from 'triton'"))
+        assert cli_main(["env"]) == 0
+        said = capsys.readouterr().out
+        assert "\n  cuda   PyTorch (triton cannot be imported here: cannot import name 'knobs' from 'triton')\n" in said
 
 
 @pytest.mark.parametrize("warmup", [0, -1, 1.5, "2"])
@@ -945,3 +953,33 @@ def _after_a_fused_step_the_replay_is_the_eager_step(model, decoder: StaticDecod
         got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
     assert log.count("capture") == 1
     torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device, interpreted, triton, reason", [
+    ("cuda", False, False, "triton cannot be imported here: No module named 'triton'"),
+    ("cpu", False, True, "the Triton kernels run on CUDA GPUs, and the device is cpu"),
+    ("cpu", True, False, "triton cannot be imported here"),
+])
+def test_a_run_with_the_triton_backend_is_refused_where_its_kernels_cannot_run(monkeypatch, device, interpreted,
+                                                                                triton, reason):
+    """`model.residual.backend=triton` was refused before any work off a GPU only: on a CUDA
+    machine without triton the run read its data and built its model, and its first forward
+    failed with a traceback. Both are refused at the start, saying what to use instead; a GPU
+    with triton passes."""
+    from attnres.train import load_config
+    from attnres.train.loop import check_backend
+
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gone = ImportError("No module named 'triton'")
+    monkeypatch.setattr(library, "_triton_impl", lambda: library.torch_impl if triton else gone)
+    config = load_config(None, ["model.residual.backend=triton"])
+    with pytest.raises(ValueError, match=rf"^model.residual.backend='triton' cannot run here: {reason}.*; use "
+                                         r"backend='auto' \(the C kernel on the CPU, the Triton kernels on CUDA where "
+                                         r"triton is installed, else PyTorch\) or 'torch'$"):
+        check_backend(config, torch.device(device))
+    monkeypatch.setattr(library, "_triton_impl", lambda: library.torch_impl)
+    check_backend(config, torch.device("cuda"))  # (a GPU with triton)
+    check_backend(load_config(None, ["model.residual.backend=auto"]), torch.device(device))

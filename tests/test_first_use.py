@@ -400,7 +400,8 @@ def test_triton_kernels_on_the_cpu_are_refused_before_any_work(tmp_path, corpus,
     which the test suite may switch on, is the one way to run them on the CPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", device="cpu"), "model.residual.backend=triton"],
-               "model.residual.backend='triton' needs a CUDA GPU", "device is cpu")
+               "model.residual.backend='triton' cannot run here: the Triton kernels run on CUDA GPUs",
+               "device is cpu", "use backend='auto'")
     assert capsys.readouterr().out == "" and not (tmp_path / "run").exists()
 
 

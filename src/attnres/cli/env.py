@@ -114,7 +114,13 @@ def _cuda_kernels(cuda: bool) -> str:
         return "no CUDA device" + (f" (triton {triton} installed)" if triton else "")
     if triton is None:
         return "PyTorch (triton is not installed: pip install triton)"
-    return f"the Triton kernels (triton {triton})"
+    import torch
+
+    from ..ops.depth_attention.library import triton_unavailable
+
+    # (installed is not importable: a broken or mismatched triton, where backend="auto" runs PyTorch)
+    reason = triton_unavailable(torch.device("cuda"))
+    return f"PyTorch ({reason})" if reason else f"the Triton kernels (triton {triton})"
 
 
 def _version(name: str) -> str | None:

@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
                      "cache, eager), or over a static cache: static (eager), compiled (torch.compile), graph (CUDA graph)")
     gen.add_argument("--dtype", default="float32", choices=DTYPES,
                      help="the weights' dtype while generating: float32 (as trained and stored; default), bfloat16 or "
-                     "float16 (half the bytes a decode step reads: on a GPU, about twice the tokens/s)")
+                     "float16 (half the bytes a decode step reads: faster where reading the weights bounds a step, as on a GPU "
+                     "for a large model; not measured here)")
 
 
 def run(args, parser) -> int:

@@ -22,6 +22,7 @@ from ..models.factory import build_model
 from ..migrations import stored_config
 from ..models.lm import AttnResLM
 from ..nn.residual.imports import unregistered_residual_error
+from ..ops.depth_attention.library import triton_unavailable
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
 from ..distributed.launch import no_cuda_reason
 from ..user_warning import warn_user
@@ -149,7 +150,7 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
         if source is None:
             raise CheckpointError(no_checkpoint_at(path))
         run_config = source.run_config()
-        config = saved_model_config(source)
+        config = runnable_backend(saved_model_config(source), device, source.path)
         model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
         try:
             load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
@@ -161,6 +162,21 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
         return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
     raise CheckpointError(f"the checkpoints of {str(path)!r} were removed as fast as they were read ({PRUNED_RETRIES} "
                           "times): its run keeps very few (keep_checkpoints); copy one aside and load the copy")
+
+
+def runnable_backend(config: ModelConfig, device: torch.device, checkpoint: Path) -> ModelConfig:
+    """``config``, its residual's ``backend="triton"`` replaced by ``"auto"`` (with a warning)
+    where the Triton kernels cannot run on ``device``: a GPU run's checkpoint loaded on a CPU,
+    or where triton is missing. The backend picks the implementation of one function, not the
+    weights; kept, it failed the first forward, telling ``attnres generate`` / ``eval`` to use
+    another backend, which neither command can set."""
+    reason = triton_unavailable(device) if config.residual.backend == "triton" else None
+    if reason is None:
+        return config
+    warn_user(f"checkpoint {str(checkpoint)!r} was trained with model.residual.backend='triton', which cannot run "
+              f"here ({reason}): loading it with backend='auto' (the same function, the implementation picked "
+              "by device)")
+    return config.replace(residual={"backend": "auto"})
 
 
 def _removed_while_read(checkpoint: Path, given_step: bool) -> None:

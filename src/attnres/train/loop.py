@@ -77,6 +77,7 @@ from ..distributed.launch import (
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
 from ..nn.residual.block import naming_block_size
+from ..ops.depth_attention.library import triton_unavailable
 from ..nn.residual.imports import imports_record
 from ..output_paths import OutputPathError, check_output_dir, write_text_atomically
 from ..progress import StepProgress
@@ -702,14 +703,15 @@ def check_inputs(config: TrainConfig, main: bool = True) -> None:
 
 
 def check_backend(config: TrainConfig, device: torch.device) -> None:
-    """Refuse ``model.residual.backend="triton"`` off a GPU before any work: Triton kernels
-    run on CUDA devices (on the CPU only under Triton's interpreter, ``TRITON_INTERPRET=1``,
-    for tests), and the driver's error would come after the start-up summary, as a traceback."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if config.model.residual.backend == "triton" and device.type != "cuda" and not interpreted:
-        raise ValueError(f"model.residual.backend='triton' needs a CUDA GPU (Triton kernels run on GPUs), and this run's "
-                         f"device is {device.type}: use backend='auto' (the C kernel on the CPU, Triton on CUDA) or "
-                         "'torch'")
+    """Refuse ``model.residual.backend="triton"`` where its kernels cannot run - off a GPU
+    (unless under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests), or without
+    triton - before any work: the first forward's error would come after the data, the model
+    and the start-up summary, as a traceback."""
+    reason = triton_unavailable(device) if config.model.residual.backend == "triton" else None
+    if reason is not None:
+        raise ValueError(f"model.residual.backend='triton' cannot run here: {reason}; use backend='auto' (the C "
+                         "kernel on the CPU, the Triton kernels on CUDA where triton is installed, else PyTorch) "
+                         "or 'torch'")
 
 
 def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from types import ModuleType
@@ -41,7 +42,7 @@ from ...validation import did_you_mean
 from . import cpu_kernel, reference, torch_impl
 from .reference import _check_merge, check_phase1, compute_dtype, stream_dtype
 
-__all__ = ["BACKENDS", "phase1", "merge", "pick", "through_dispatcher", "under_transforms"]
+__all__ = ["BACKENDS", "phase1", "merge", "pick", "through_dispatcher", "triton_unavailable", "under_transforms"]
 
 #: Values of the operators' ``backend`` argument.
 BACKENDS = ("auto", "torch", "triton")
@@ -74,6 +75,20 @@ def _without_triton(backend: str, error: ImportError) -> ModuleType:
         warn_user(f"triton cannot be imported ({error}): AttnRes' depth attention runs in PyTorch on CUDA, "
                   "slower than its Triton kernels (pip install triton)", RuntimeWarning)
     return torch_impl
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why ``backend="triton"`` cannot run on tensors of ``device`` here, or ``None`` where it
+    can: the kernels run on CUDA devices (elsewhere only under Triton's interpreter,
+    ``TRITON_INTERPRET=1``, the tests) and need triton importable. For the callers that pick a
+    backend before any work (a training run, a loaded checkpoint): the operators themselves
+    refuse it only at their first call, after the data and the model were set up."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the Triton kernels run on CUDA GPUs, and the device is {device.type}"
+    triton_impl = _triton_impl()
+    if isinstance(triton_impl, ImportError):
+        return f"triton cannot be imported here: {triton_impl}"
+    return None
 
 
 def pick(backend: str, tensors: Sequence[Tensor | None]) -> ModuleType:
