@@ -955,3 +955,24 @@ def test_the_single_block_warning_names_the_block_size_as_each_path_writes_it():
     assert named(lambda: AttnResConfig(**fields)) == ["AttnResConfig.residual['block_size']"]
     assert named(lambda: upcycle(tiny_model("llama"), block_size=8)) == \
         ["model.residual.block_size (attnres upcycle's --block-size)"]
+
+
+@pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4)])
+def test_a_resume_compiles_with_a_dynamic_batch(make):
+    """``resume`` under ``torch.compile`` with the history's first dimension dynamic (vLLM's
+    pipeline stages mark the token count so): checking that the history's tensors share one
+    shape hashed the symbolic sizes into a set, which made them constants, and the compile
+    failed ("marked as dynamic but your code specialized it to be a constant")."""
+    m = make()
+    history = m.history(_run_to(m, torch.randn(6, 8), 2))
+
+    def resumed_output(completed, running):
+        state = m.resume(type(history)(completed, running), 2)
+        return m.sublayer_input(state, 2)
+
+    completed = [t.clone() for t in history.completed]
+    for t in (*completed, *([history.running] if history.running is not None else [])):
+        torch._dynamo.mark_dynamic(t, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(resumed_output, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(completed, history.running), resumed_output(completed, history.running))

@@ -122,8 +122,14 @@ def _one_shape(history: DepthHistory) -> tuple[int, ...] | None:
     where they differ (then only ``d`` is checked). A resumed state checked ``d`` alone: an
     output ``[1, T, d]`` of a stream ``[B, T, d]`` broadcast into Block AttnRes' partial sum,
     silently."""
-    shapes = {tuple(t.shape) for t in [*history.completed, *([] if history.running is None else [history.running])]}
-    return shapes.pop() if len(shapes) == 1 else None
+    tensors = [*history.completed, *([] if history.running is None else [history.running])]
+    if not tensors:
+        return None
+    # (compared, not hashed into a set: under torch.compile with dynamic shapes - vLLM's - hashing a
+    # symbolic size made it a constant, and the compile failed, "marked as dynamic but your code
+    # specialized it to be a constant")
+    first = tuple(tensors[0].shape)
+    return first if all(tuple(t.shape) == first for t in tensors[1:]) else None
 
 
 class ResidualStream(DrivenModule, ABC):
