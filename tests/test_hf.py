@@ -1901,12 +1901,14 @@ def test_num_key_value_heads_reads_a_count_where_n_kv_heads_is_none():
 
 @pytest.mark.parametrize("method", ["prompt", "prefix"])
 def test_peft_prompt_learning_generates_what_its_forward_predicts(method):
-    """PEFT's prompt and prefix tuning (peft 0.21) look for the cache among the model inputs
-    under ``past_key_values``, transformers 5.24+ names it ``cache``: PEFT then put its
-    virtual tokens in again at every step (prompt tuning: "attention_mask must have shape
-    ... (2, 19), got (2, 15)"; prefix tuning: "pass the cache as `cache` or as
-    `past_key_values`, not both"). Greedy ``generate`` now gives, token by token, the argmax
-    of the PEFT model's own forward over the growing sequence (left padding included)."""
+    """PEFT's prompt and prefix tuning look for the cache among the model inputs: peft 0.21
+    under ``past_key_values``, peft 0.22 under transformers' name (``cache`` from 5.24). Under
+    the wrong name PEFT put its virtual tokens in again at every step (prompt tuning:
+    "attention_mask must have shape ... (2, 14), got (2, 11)"; prefix tuning: "pass the cache
+    as `cache` or as `past_key_values`, not both") - first with peft 0.21, then with 0.22
+    once the cache was renamed for 0.21. Greedy ``generate`` now gives, token by token, the
+    argmax of the PEFT model's own forward over the growing sequence (left padding included),
+    with the installed peft (CI installs the newest)."""
     peft = pytest.importorskip("peft")
     config = (peft.PromptTuningConfig if method == "prompt" else peft.PrefixTuningConfig)(
         task_type="CAUSAL_LM", num_virtual_tokens=3)

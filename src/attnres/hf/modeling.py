@@ -18,6 +18,7 @@ graphs. The residual needs no cache (it mixes over depth token by token).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -264,6 +265,15 @@ def _refuse_unreturned_outputs(config: AttnResConfig, kwargs: dict) -> None:
                 "weights come from model.to_native()(input_ids, return_depth_weights=True).depth_weights")
 
 
+def _peft_cache_name() -> str:
+    """The name under which the PEFT that wraps this model looks for the cache among a
+    ``generate`` step's inputs: peft 0.22+ asks ``peft.import_utils.get_transformers_cache_name``
+    (transformers' own name), peft 0.21 and earlier look under ``past_key_values``. (Read from
+    the loaded module: a model under prompt learning has PEFT imported already.)"""
+    name_of = getattr(sys.modules.get("peft.import_utils"), "get_transformers_cache_name", None)
+    return name_of() if name_of is not None else "past_key_values"
+
+
 def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
     """The cache a caller passed: transformers 5.24 renamed ``past_key_values`` to ``cache``
     (``generate`` passes the new name), earlier 5.x versions use the old one."""
@@ -370,13 +380,15 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return bool(getattr(getattr(wrapper, "active_peft_config", None), "is_prompt_learning", False))
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, inputs_embeds: Tensor | None = None, **kwargs) -> dict:
-        """transformers' inputs of one ``generate`` step, with the cache under its earlier
-        name ``past_key_values`` (the forward takes both): PEFT's prompt and prefix tuning
-        (peft 0.21) look for it there to tell the first step, where they add their virtual
-        tokens, from the later ones; under ``cache`` they added them again at every step.
+        """transformers' inputs of one ``generate`` step. Under PEFT's prompt or prefix
+        tuning, the cache goes under the name that PEFT looks for to tell the first step, where
+        it adds its virtual tokens, from the later ones (the forward takes both names): peft
+        0.21 looks under ``past_key_values`` only, and under transformers' ``cache`` (5.24+)
+        it added them again at every step; peft 0.22 looks under transformers' own name.
         (``inputs_embeds`` is named: ``generate`` takes it only from a method that names it.)"""
         inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
-        if inputs.get("cache") is not None and inputs.get("past_key_values") is None:
+        if (inputs.get("cache") is not None and inputs.get("past_key_values") is None
+                and self._prompt_learning() and _peft_cache_name() == "past_key_values"):
             inputs["past_key_values"] = inputs.pop("cache")
         return inputs
 
