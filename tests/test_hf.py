@@ -6,6 +6,7 @@ tokenizer export, and ``attnres eval`` with lm-evaluation-harness on local tasks
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -1774,6 +1775,29 @@ def test_from_pretrained_changes_only_the_residual_fields_it_is_given(tmp_path):
     assert (residual.kind, residual.block_size) == ("attnres_block", 1)
     residual = AttnResForCausalLM.from_pretrained(tmp_path, residual="attnres_full").config.to_model_config().residual
     assert (residual.kind, residual.block_size) == ("attnres_full", 2)
+
+
+def test_a_saved_triton_backend_loads_where_triton_cannot_run(tmp_path):
+    """A model trained on a GPU with ``backend="triton"`` and saved with ``save_pretrained``
+    stored it; loaded on a CPU, its first forward failed ("backend='triton' runs the Triton
+    kernels on CUDA tensors ... use backend='auto'"), which ``from_pretrained`` gave no hint of.
+    A stored "triton" is read as "auto" (the Triton kernels on CUDA; here, the logits of the
+    model built with the default backend); a "triton" the caller gives is kept, and refused at
+    the forward."""
+    native = native_model(residual={"kind": "attnres_block", "block_size": 2, "backend": "triton"})
+    AttnResForCausalLM.from_native(native).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["residual"]["backend"] == "triton"
+    ids = torch.randint(0, native.config.vocab_size, (1, 8))
+    model = AttnResForCausalLM.from_pretrained(tmp_path).eval()
+    assert model.config.residual["backend"] == "auto" and model.config.residual["block_size"] == 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, native_model(residual={"kind": "attnres_block", "block_size": 2})(ids).logits)
+    kept = AttnResForCausalLM.from_pretrained(tmp_path, residual={"backend": "triton"}).eval()
+    assert kept.config.residual["backend"] == "triton"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return  # (the kernels run on the CPU under the interpreter)
+    with pytest.raises(ValueError, match="backend='triton' runs the Triton kernels on CUDA tensors"):
+        kept(ids)
 
 
 def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):

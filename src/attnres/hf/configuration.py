@@ -123,6 +123,10 @@ class _AttnResConfigMethods(SavesAutoMap):
     def from_dict(cls, config_dict: dict, **kwargs):
         """As ``PretrainedConfig.from_dict`` (what every loader calls with a ``config.json``'s
         contents), refusing a config without residual settings or naming another model.
+        A stored residual ``backend="triton"`` (a ``save_pretrained`` of a model trained on
+        a GPU) is read as ``"auto"``: the same function, whose implementation is picked by
+        device - the Triton kernels on CUDA - where ``"triton"`` failed the first forward on a
+        CPU; ``residual={"backend": "triton"}`` among the ``kwargs`` keeps it.
         The keys of earlier versions a ``config.json`` stores (an old export's flat
         ``attnres_block_size``, ...) are migrated without a warning: the user never wrote
         them. Flat residual keys among the ``kwargs`` (``from_pretrained(dir,
@@ -140,6 +144,7 @@ class _AttnResConfigMethods(SavesAutoMap):
                            source=source, given=[*kwargs, *(["residual"] if flat else [])])
         with stored_config():  # (an old export's spellings: no warning about what it stores)
             stored = {**migrate_model_keys(config_dict, "AttnResConfig"), **legacy}
+        stored = _stored_backend_runnable(stored)
         # (the residual fields the kwargs give are the user's statement: from_pretrained(dir, residual={"block_size":
         # 8}) of a Full AttnRes export loaded as if S were not there, read quietly with the stored config.json)
         given = residual_fields_stated({"residual": kwargs.get("residual"), **legacy})
@@ -201,6 +206,17 @@ class _AttnResConfigMethods(SavesAutoMap):
         """Build from a native config; ``kwargs`` set HF fields (e.g. ``eos_token_id``)."""
         with read_quietly():  # (the native config was warned of where it was stated: its residual keeps the mark)
             return cls(**{**config.to_dict(), "residual": config.residual}, **kwargs)
+
+
+def _stored_backend_runnable(stored: dict) -> dict:
+    """``stored`` (a ``config.json``'s fields) with a residual ``backend="triton"`` as
+    ``"auto"`` (see :meth:`AttnResConfig.from_dict`): the backend names the implementation of
+    one function, not the weights, and a loader cannot tell yet on which device the model
+    will run. (A native checkpoint's loader knows it, and warns: ``runnable_backend``.)"""
+    residual = stored.get("residual")
+    if not isinstance(residual, dict) or residual.get("backend") != "triton":
+        return stored
+    return {**stored, "residual": {**residual, "backend": "auto"}}
 
 
 def _check_extra_keys(config, extra: dict) -> None:
