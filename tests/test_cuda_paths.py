@@ -19,6 +19,7 @@ import inspect
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -373,7 +374,12 @@ def test_a_cuda_out_of_memory_is_told_in_words():
     assert "(an allocation of 2,048 MiB failed); lower batch_size" in said, said
 
 
-def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys):
+def _index(device: int | torch.device | None) -> int:
+    """The index of a device as torch.cuda's functions take it (``None``, ``"cuda"``: 0, the current one here)."""
+    return device if isinstance(device, int) else (0 if device is None or device.index is None else device.index)
+
+
+def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys, request):
     """``attnres env`` where CUDA is available (the calls faked, bound against torch's): each
     device by name and compute capability, and the Triton kernels for depth attention - or
     PyTorch where triton is installed but cannot be imported (said "the Triton kernels", from
@@ -386,9 +392,13 @@ def test_env_names_each_cuda_device_and_the_triton_kernels(monkeypatch, capsys):
     capabilities = [(9, 0), (8, 6)]
     real = torch.cuda
     for name, fake in {"is_available": lambda: True, "device_count": lambda: 2,
-                       "get_device_name": lambda device=None: names[device],
-                       "get_device_capability": lambda device=None: capabilities[device]}.items():
+                       "get_device_name": lambda device=None: names[_index(device)],
+                       "get_device_capability": lambda device=None: capabilities[_index(device)]}.items():
         monkeypatch.setattr(torch.cuda, name, _bound(getattr(real, name), fake))
+    impl = library._triton_impl()
+    if not isinstance(impl, ImportError):  # (the faked cards' capabilities are not kept for later tests)
+        impl.unsupported_gpu.cache_clear()
+        request.addfinalizer(impl.unsupported_gpu.cache_clear)
     assert cli_main(["env"]) == 0
     text = capsys.readouterr().out
     assert "; cuda: NVIDIA H100 80GB HBM3 (sm_90), NVIDIA A10 (sm_86)\n" in text, text
@@ -974,12 +984,13 @@ def test_a_run_with_the_triton_backend_is_refused_where_its_kernels_cannot_run(m
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gone = ImportError("No module named 'triton'")
-    monkeypatch.setattr(library, "_triton_impl", lambda: library.torch_impl if triton else gone)
+    importable = SimpleNamespace(unsupported_gpu=lambda device: None)  # (triton_impl on a card it compiles for)
+    monkeypatch.setattr(library, "_triton_impl", lambda: importable if triton else gone)
     config = load_config(None, ["model.residual.backend=triton"])
     with pytest.raises(ValueError, match=rf"^model.residual.backend='triton' cannot run here: {reason}.*; use "
                                          r"backend='auto' \(the C kernel on the CPU, the Triton kernels on CUDA where "
                                          r"triton is installed, else PyTorch\) or 'torch'$"):
         check_backend(config, torch.device(device))
-    monkeypatch.setattr(library, "_triton_impl", lambda: library.torch_impl)
+    monkeypatch.setattr(library, "_triton_impl", lambda: importable)
     check_backend(config, torch.device("cuda"))  # (a GPU with triton)
     check_backend(load_config(None, ["model.residual.backend=auto"]), torch.device(device))

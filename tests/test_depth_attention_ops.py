@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import shutil
 import stat
 import warnings
@@ -897,6 +898,40 @@ def test_without_triton_cuda_runs_pytorch_after_one_warning_and_triton_is_refuse
         assert lib.pick("auto", [torch.randn(2, 8)]) is cpu_kernel
     finally:
         lib._triton_impl.cache_clear()
+
+
+def test_a_gpu_older_than_triton_compiles_for_runs_pytorch_and_triton_is_refused(monkeypatch):
+    """On a card older than compute capability 7.0 (a P100), Triton fails at its first
+    compile, deep in a training step. ``backend="auto"`` runs PyTorch there after one warning
+    naming the card, ``"triton"`` is refused naming it, and ``triton_unavailable`` (what a
+    run checks at its start) says why; a 7.0+ card gets the kernels."""
+    from types import SimpleNamespace
+
+    if not _has_triton():
+        pytest.skip("triton is not installed")
+    from attnres.ops.depth_attention import library as lib, triton_impl
+
+    capability = [(6, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla P100-PCIE-16GB")
+    monkeypatch.setattr(lib, "_warned_without_triton", [])
+    triton_impl.unsupported_gpu.cache_clear()
+    try:
+        on_cuda = [SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)]
+        old = r"Tesla P100-PCIE-16GB \(cuda:0, compute capability 6.0\) is older than Triton compiles for \(7.0\)"
+        with pytest.warns(RuntimeWarning, match="depth attention runs in PyTorch: " + old):
+            assert lib.pick("auto", on_cuda) is torch_impl
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert lib.pick("auto", on_cuda) is torch_impl  # (once)
+        with pytest.raises(ValueError, match="backend='triton' cannot run here: " + old):
+            lib.pick("triton", on_cuda)
+        assert re.fullmatch(old, lib.triton_unavailable(torch.device("cuda", 0)))
+        capability[0] = (7, 0)
+        triton_impl.unsupported_gpu.cache_clear()
+        assert lib.pick("auto", on_cuda) is triton_impl and lib.triton_unavailable(torch.device("cuda", 0)) is None
+    finally:
+        triton_impl.unsupported_gpu.cache_clear()
 
 
 class OperatorLog(TorchDispatchMode):

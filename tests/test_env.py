@@ -75,8 +75,21 @@ def test_env_says_why_the_fast_kernels_do_not_run(monkeypatch, capsys):
     if found["extras"]:
         assert "\n  train        missing numpy, pyyaml, safetensors," in env.render(found)
     monkeypatch.setattr(env, "_version", lambda name: "3.6.0" if name == "triton" else None)
-    assert env._cuda_kernels(True) == "the Triton kernels (triton 3.6.0)"
-    assert env._cuda_kernels(False) == "no CUDA device (triton 3.6.0 installed)"
+    from attnres.ops.depth_attention import triton_impl
+
+    capability = [(9, 0)]  # (the CUDA device this CPU machine does not have)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla P100-PCIE-16GB")
+    triton_impl.unsupported_gpu.cache_clear()
+    try:
+        assert env._cuda_kernels(True) == "the Triton kernels (triton 3.6.0)"
+        assert env._cuda_kernels(False) == "no CUDA device (triton 3.6.0 installed)"
+        capability[0] = (6, 0)  # (a card older than Triton compiles for: auto runs PyTorch there)
+        triton_impl.unsupported_gpu.cache_clear()
+        assert env._cuda_kernels(True) == ("PyTorch (Tesla P100-PCIE-16GB (cuda, compute capability 6.0) is older than "
+                                           "Triton compiles for (7.0))")
+    finally:
+        triton_impl.unsupported_gpu.cache_clear()
 
 
 

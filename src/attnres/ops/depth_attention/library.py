@@ -77,10 +77,20 @@ def _without_triton(backend: str, error: ImportError) -> ModuleType:
     return torch_impl
 
 
+def _warn_if_too_old(triton_impl: ModuleType, device: torch.device) -> None:
+    """Warn once where ``"auto"`` runs the operations in PyTorch on a CUDA card older than
+    Triton compiles for (other tensors the kernels do not take, float64 ones, say nothing)."""
+    reason = triton_impl.unsupported_gpu(device)
+    if reason is not None and not _warned_without_triton:
+        _warned_without_triton.append(True)
+        warn_user(f"AttnRes' depth attention runs in PyTorch: {reason}", RuntimeWarning)
+
+
 def triton_unavailable(device: torch.device) -> str | None:
     """Why ``backend="triton"`` cannot run on tensors of ``device`` here, or ``None`` where it
     can: the kernels run on CUDA devices (elsewhere only under Triton's interpreter,
-    ``TRITON_INTERPRET=1``, the tests) and need triton importable. For the callers that pick a
+    ``TRITON_INTERPRET=1``, the tests), need triton importable and a card Triton compiles for
+    (compute capability 7.0 or newer). For the callers that pick a
     backend before any work (a training run, a loaded checkpoint): the operators themselves
     refuse it only at their first call, after the data and the model were set up."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -88,7 +98,7 @@ def triton_unavailable(device: torch.device) -> str | None:
     triton_impl = _triton_impl()
     if isinstance(triton_impl, ImportError):
         return f"triton cannot be imported here: {triton_impl}"
-    return None
+    return triton_impl.unsupported_gpu(device)
 
 
 def pick(backend: str, tensors: Sequence[Tensor | None]) -> ModuleType:
@@ -104,7 +114,10 @@ def pick(backend: str, tensors: Sequence[Tensor | None]) -> ModuleType:
         if backend == "triton":
             triton_impl.check(tensors)
             return triton_impl
-        return triton_impl if triton_impl.supports(tensors) else torch_impl
+        if triton_impl.supports(tensors):
+            return triton_impl
+        _warn_if_too_old(triton_impl, next(t for t in tensors if t is not None).device)
+        return torch_impl
     if device == "cpu" and cpu_kernel.supports(tensors):
         return cpu_kernel
     return torch_impl

@@ -27,7 +27,7 @@ from .triton_launch import (DQ_ROWS, backward_holds, backward_programs, dq_grid,
                             phase1_forward_geometry, phase1_group, phase1_rows_geometry, phase1_splits, phase1_tile,
                             phase1_unrolls, phase1_warps, row_pad, rows_backward_warps, rows_warps)
 
-__all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
+__all__ = ["supports", "check", "unsupported_gpu", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
 #: Storage dtypes of the sources the kernels take (computing in float32; float64 in float64).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -116,11 +116,31 @@ def _signature(args: tuple) -> tuple:
                  for a in args)
 
 
+#: The oldest compute capability Triton compiles for (torch's Inductor refuses older cards,
+#: Pascal and before, the same way).
+MIN_CAPABILITY = (7, 0)
+
+
+@functools.cache
+def unsupported_gpu(device: torch.device) -> str | None:
+    """Why the kernels cannot run on ``device``, a CUDA card older than
+    :data:`MIN_CAPABILITY` (Triton fails there at its first compile), or ``None``."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) >= MIN_CAPABILITY:
+        return None
+    return (f"{torch.cuda.get_device_name(device)} ({device}, compute capability {capability[0]}.{capability[1]}) is "
+            f"older than Triton compiles for ({MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]})")
+
+
 def supports(tensors: Sequence[Tensor | None]) -> bool:
     """Whether the kernels take these tensors: the first (a source) in a storage dtype of
-    :data:`DTYPES`, all on one device."""
+    :data:`DTYPES`, all on one device, a device Triton compiles for."""
     present = [t for t in tensors if t is not None]
-    return present[0].dtype in DTYPES and all(t.device == present[0].device for t in present)
+    device = present[0].device
+    return (present[0].dtype in DTYPES and all(t.device == device for t in present)
+            and unsupported_gpu(device) is None)
 
 
 def check(tensors: Sequence[Tensor | None]) -> None:
@@ -128,6 +148,10 @@ def check(tensors: Sequence[Tensor | None]) -> None:
     asked for explicitly) on a device the kernels run on: CUDA, or any under Triton's
     interpreter (on CPU without it, Triton said '0 active drivers ([]). There should only be one.')."""
     first = next(t for t in tensors if t is not None)
+    too_old = unsupported_gpu(first.device)
+    if too_old is not None:
+        raise ValueError(f"backend='triton' cannot run here: {too_old}; use backend='auto' (PyTorch on such a GPU) "
+                         "or 'torch'")
     if not supports(tensors):
         raise ValueError(f"backend='triton' takes sources in {[str(d) for d in DTYPES]} on one device; got "
                          f"{first.dtype}")
