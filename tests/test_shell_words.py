@@ -84,6 +84,32 @@ def test_the_train_on_command_of_a_tp_pp_run_is_launched_as_its_layout_asks(tmp_
     assert train_on_from(run)[1] == f"attnres train --config {run / 'config.json'} init_from={run} out_dir=DIR"
 
 
+def test_the_train_on_command_imports_the_runs_own_residual(tmp_path):
+    """A run of a residual of the user's own (``attnres --import my_pkg.residuals train ...``)
+    records its imports; the printed train-on command left ``--import`` out and, pasted, could
+    not build the model ("residual 'my_res' is not registered"). It names them, before the
+    command (an option of ``attnres`` itself), under torchrun too."""
+    import json
+
+    from attnres.checkpoint.locate import train_on_from
+
+    run = _run(tmp_path / "run")
+    (run / "config.json").write_text(json.dumps({"model": {}}))
+    state = (run / "checkpoints" / "step-00000001" / "state.json")
+    imports = {"given": ["my_pkg.residuals", "/home/me/my res.py"], "residual": "my_res", "residual_module": "my_pkg.residuals"}
+    state.write_text(json.dumps({"imports": imports}))
+    rest = f"train --config {run / 'config.json'} init_from={run} out_dir=DIR"
+    flags = "--import my_pkg.residuals --import '/home/me/my res.py'"
+    assert train_on_from(run)[1] == f"attnres {flags} {rest}"
+    assert shlex.split(train_on_from(run)[1])[:5] == ["attnres", "--import", "my_pkg.residuals", "--import", "/home/me/my res.py"]
+    state.write_text(json.dumps({"imports": {**imports, "given": []}}))  # (imported in Python: its module)
+    assert train_on_from(run)[1] == f"attnres --import my_pkg.residuals {rest}"
+    (run / "config.json").write_text(json.dumps({"model": {}, "parallel": {"tp": 2}}))
+    assert train_on_from(run)[1] == f"torchrun --standalone --nproc-per-node 2 -m attnres --import my_pkg.residuals {rest}"
+    state.write_text(json.dumps({"imports": {**imports, "given": [], "residual_module": None}}))  # a built-in one
+    assert train_on_from(run)[1] == f"torchrun --standalone --nproc-per-node 2 -m attnres {rest}"
+
+
 def test_a_folder_of_runs_names_its_run_pasteably(tmp_path):
     runs = tmp_path / "Läufe 2026"
     run = _run(runs / "run 'b'")

@@ -15,6 +15,7 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from ..nn.residual.imports import recorded_import_flags
 from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
 from ..shell_words import launched, shell_path
 from ..user_warning import warn_user
@@ -261,7 +262,8 @@ def train_on_from(path: str | Path) -> tuple[str | None, str]:
     model, or a config that does not read) and the command that does it with the run's own
     config, which builds its model (``init_from=RUN`` alone builds the default model, refused
     where the run's is another, a transformers family's or a deeper one), launched as the run
-    was (:func:`_train_on_launch`)."""
+    was (:func:`_train_on_launch`), with the ``--import`` of a residual of the user's own that
+    its newest checkpoint records (without it, the command could not build the model)."""
     path = Path(path)
     run = _run_of_output(path)
     try:
@@ -269,24 +271,26 @@ def train_on_from(path: str | Path) -> tuple[str | None, str]:
         architecture = config["model"].get("hf_architecture")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (no readable config: said by the command)
         config, architecture = {}, None
-    command = f"attnres train --config {shell_path(run / 'config.json')} init_from={shell_path(path)} out_dir=DIR"
-    return architecture or None, launched(command, *_train_on_launch(path, config))
+    found = newest_state(path)
+    state = found[1] if found is not None else {}
+    attnres = " ".join(filter(None, ("attnres", recorded_import_flags(state.get("imports")))))
+    command = f"{attnres} train --config {shell_path(run / 'config.json')} init_from={shell_path(path)} out_dir=DIR"
+    return architecture or None, launched(command, *_train_on_launch(state, config))
 
 
-def _train_on_launch(path: Path, config: Any) -> tuple[int, int | None]:
+def _train_on_launch(state: dict[str, Any], config: Any) -> tuple[int, int | None]:
     """``(world, per_node)``: the ranks :func:`train_on_from`'s command is launched on. The
     run's ``config.json`` keeps its ``parallel.*`` layout, which ``--config`` takes: a tp/pp
     run's command run in one process was refused (the layout asks for several ranks). The
-    ranks its newest checkpoint records (``launch``) where they fit the layout, else the
-    fewest it asks for, on one node; one process for a one-process run."""
+    ranks its newest checkpoint's ``state`` records (``launch``) where they fit the layout,
+    else the fewest it asks for, on one node; one process for a one-process run."""
     parallel = config.get("parallel") if isinstance(config, dict) else None
     parallel = parallel if isinstance(parallel, dict) else {}
     degrees = [parallel.get(k, 1) for k in ("tp", "pp")] + [parallel.get("dp") or 1]
     if not all(isinstance(d, int) and d >= 1 for d in degrees):
         return 1, None  # (a layout that does not read: refused by the command itself)
     tp, pp, dp = degrees
-    found = newest_state(path)
-    launch = found[1].get("launch") if found is not None else None
+    launch = state.get("launch")
     world = launch.get("world_size") if isinstance(launch, dict) else None
     per_node = launch.get("local_world_size") if isinstance(launch, dict) else None
     if isinstance(world, int) and world % (tp * pp) == 0 and (parallel.get("dp") is None or world == dp * tp * pp):
