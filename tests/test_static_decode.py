@@ -458,12 +458,17 @@ def test_a_graph_records_one_step_after_its_warm_up_steps_outside_the_capture(mo
     """What ``mode="graph"`` records (the CUDA calls faked, the capture running the step
     eagerly): ``warmup`` steps on a side stream first, each on the emptied cache - the kernels
     compiled and loaded, which a capture cannot do -, then one step inside the capture, all without
-    autograd; the decoder is left empty, its graph current for the weights, and a step
-    replays it and returns the captured logits."""
+    autograd; the decoder is left empty - one that had decoded too, its filled length counted
+    as none (``load`` captures a used decoder again before it takes the new cache, which it may
+    still refuse) -, its graph current for the weights, and a step replays it and returns the
+    captured logits."""
     from attnres.inference import static
 
     model = make_model(residual="attnres_block").eval()
     decoder = StaticDecoder(model, 1, capacity=8, mode="eager")
+    prompt = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(1))
+    decoder.load(prefill(model, prompt)[1])
+    decoder.step(prompt[:, -1])  # (a decoder used before its capture: 5 positions filled)
     log = []
 
     class Stream:
