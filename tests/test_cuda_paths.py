@@ -544,13 +544,17 @@ def test_generate_keeps_its_graphed_decoder_across_calls(fake_cuda_graphs, built
 
 def test_two_streams_at_once_each_get_a_decoder(fake_cuda_graphs, built):
     """Two streams of one model at one batch size, stepped in turn: a kept decoder serves one
-    generation at a time, so the second builds its own (each gives its dynamic tokens), and
-    both are kept after; a stream closed early gives its decoder back too."""
-    from attnres.inference import stream
+    generation at a time, so while the first holds the one kept from an earlier call the
+    second builds its own (each gives its dynamic tokens; lent to both, their steps
+    interleaved in one cache), and one is kept after (one per batch size and capacity); a
+    stream closed early gives its decoder back too."""
+    from attnres.inference import kept_decoders, stream
 
     model = make_model(residual="attnres_block").eval()
     prompts = [ragged_prompts(seed=seed) for seed in (1, 2)]
     want = [generate(model, ids, mask, max_new_tokens=6, decode="dynamic") for ids, mask in prompts]
+    assert torch.equal(generate(model, *prompts[0], max_new_tokens=6), want[0])  # (a decoder kept: one to lend)
+    assert len(built) == 1
     streams = [stream(model, ids, mask, max_new_tokens=6) for ids, mask in prompts]
     got = [[], []]
     for _ in range(6):
@@ -559,7 +563,7 @@ def test_two_streams_at_once_each_get_a_decoder(fake_cuda_graphs, built):
     for i in range(2):
         assert torch.equal(torch.stack(got[i], dim=1), want[i])
         assert next(streams[i], None) is None
-    assert len(built) == 2
+    assert len(built) == 2 and len(vars(model)[kept_decoders._ATTRIBUTE].idle) == 1
     early = stream(model, *prompts[0], max_new_tokens=6)
     next(early), next(early)
     early.close()

@@ -129,10 +129,14 @@ def test_static_decode_logits_match_the_float64_truth(model):
 def test_static_cache_gives_the_positions_and_mask_of_the_padding_mask(model):
     """After a padded prefill, the static cache's RoPE tables and mask for the next token are
     the dynamic path's (``DecoderTrunk.positions`` of the extended mask), padded with
-    masked slots up to the capacity."""
+    masked slots up to the capacity, which ``load_`` zeroes: a masked key still enters the
+    attention's weighted sum with weight 0, so what a kept decoder's earlier generation left
+    there (NaN, if it diverged) must not stay."""
     ids, mask = ragged_prompts()
     _, cache = prefill(model, ids, mask)
     static = StaticKVCache.for_model(model, ids.shape[0], capacity=12)
+    for t in (*static.k, *static.v):
+        t.fill_(float("nan"))  # (an earlier generation's slots)
     static.load_(cache, mask)
     cos, sin, allowed = static.attention_inputs(model.rope, 1)
     extended = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
@@ -141,6 +145,7 @@ def test_static_cache_gives_the_positions_and_mask_of_the_padding_mask(model):
     assert torch.equal(allowed[..., :8], ref_allowed) and not allowed[..., 8:].any()
     for layer in range(model.config.n_layers):
         assert torch.equal(static.k[layer][:, :, :7], cache.keys(layer)) and not static.k[layer][:, :, 7:].any()
+        assert torch.equal(static.v[layer][:, :, :7], cache.values(layer)) and not static.v[layer][:, :, 7:].any()
 
 
 def test_static_prefill_through_the_model_forward_equals_the_dynamic_one(model):
@@ -453,12 +458,17 @@ def test_a_graph_records_one_step_after_its_warm_up_steps_outside_the_capture(mo
     """What ``mode="graph"`` records (the CUDA calls faked, the capture running the step
     eagerly): ``warmup`` steps on a side stream first, each on the emptied cache - the kernels
     compiled and loaded, which a capture cannot do -, then one step inside the capture, all without
-    autograd; the decoder is left empty, its graph current for the weights, and a step
-    replays it and returns the captured logits."""
+    autograd; the decoder is left empty - one that had decoded too, its filled length counted
+    as none (``load`` captures a used decoder again before it takes the new cache, which it may
+    still refuse) -, its graph current for the weights, and a step replays it and returns the
+    captured logits."""
     from attnres.inference import static
 
     model = make_model(residual="attnres_block").eval()
     decoder = StaticDecoder(model, 1, capacity=8, mode="eager")
+    prompt = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(1))
+    decoder.load(prefill(model, prompt)[1])
+    decoder.step(prompt[:, -1])  # (a decoder used before its capture: 5 positions filled)
     log = []
 
     class Stream:
