@@ -1953,6 +1953,53 @@ def test_peft_prompt_learning_generates_what_its_forward_predicts(method):
             seq, seq_mask = torch.cat([seq, nxt[:, None]], 1), torch.cat([seq_mask, torch.ones_like(mask[:, :1])], 1)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_peft_prefix_tuning_trains_under_the_trainer_s_use_cache_false(checkpointing):
+    """``transformers.Trainer`` sets ``config.use_cache = False`` (its ``args.use_cache``);
+    PEFT's prefix tuning still hands the model its virtual keys and values as a cache. The
+    cache was dropped under ``use_cache=False`` and the first training step failed
+    ("attention_mask must be a tensor of shape [batch, past + seq_len] = (4, 46), got (4,
+    50)"); a given cache is now read as transformers' models read it, and under activation
+    checkpointing read without being written (the recompute would append its keys twice):
+    the loss and the prefix's gradients are those of the forward with ``use_cache=True``."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model(residual="attnres_block")),
+                                peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).train()
+    ids = torch.randint(1, 256, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.prompt_encoder.parameters() if p.grad is not None]
+
+    reference, reference_grads = loss_and_grads()  # (config.use_cache: True)
+    model.base_model.config.use_cache = False  # (what the Trainer does)
+    if checkpointing:
+        activation_checkpointing(model.base_model, use_reentrant=False)
+    loss, grads = loss_and_grads()
+    torch.testing.assert_close(loss, reference)
+    assert grads and len(grads) == len(reference_grads)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, expected)
+
+
+def test_a_static_cache_under_activation_checkpointing_is_refused_not_dropped():
+    """A cache given to a training forward with activation checkpointing is read (prefix
+    tuning's); a ``StaticCache``, whose buffers are mostly empty slots, cannot be read so and
+    is refused naming the way out (it was dropped without a word)."""
+    from transformers import StaticCache
+
+    model = AttnResForCausalLM.from_native(native_model()).train()
+    activation_checkpointing(model, use_reentrant=False)
+    ids = torch.randint(1, 256, (1, 5))
+    with pytest.raises(ValueError, match="StaticCache cannot be read under activation checkpointing.*DynamicCache"):
+        model(input_ids=ids, **{CACHE_ARG: StaticCache(config=model.config, max_cache_len=16)}, use_cache=False)
+
+
 def test_peft_lora_merged_generates_what_the_adapted_model_generates():
     """LoRA on the attention projections (non-zero adapters): the merged model's logits are
     the adapted model's, its greedy tokens too, and they differ from the base model's."""

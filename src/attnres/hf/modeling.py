@@ -54,6 +54,21 @@ class HFCacheAdapter:
         return self.cache.update(k, v, layer)
 
 
+class HFCacheReader(HFCacheAdapter):
+    """A given ``transformers.Cache`` read but not written: each layer attends over the keys
+    and values it holds and the new ones, and the cache is left as it was. For activation
+    checkpointing, whose backward runs each attention sublayer again: written, the cache
+    appended the recomputed keys a second time. (PEFT's prefix tuning hands its virtual
+    tokens over as such a cache in every training forward.)"""
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        layers = getattr(self.cache, "layers", ())
+        held = layers[layer] if layer < len(layers) else None
+        if getattr(held, "keys", None) is None or held.keys.numel() == 0:  # (a layer the cache has not filled)
+            return k, v
+        return torch.cat([held.keys, k], dim=-2), torch.cat([held.values, v], dim=-2)
+
+
 class HFStaticCacheAdapter(HFCacheAdapter):
     """A compileable ``transformers.Cache`` (``StaticCache``: buffers of ``C`` positions, the
     fill level a device tensor) seen as the native static store: like
@@ -186,13 +201,21 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         if checkpointing and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
+        # A cache given is read whatever use_cache says, as transformers' models read it: the Trainer sets
+        # config.use_cache = False, and PEFT's prefix tuning hands its virtual tokens over as a cache.
+        given = past_key_values is not None
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        if use_cache and past_key_values.is_compileable:
+        if given and checkpointing and past_key_values.is_compileable:  # (its buffers hold C slots, most of them empty)
+            raise ValueError(f"past_key_values: a {type(past_key_values).__name__} cannot be read under activation "
+                             "checkpointing in training; pass a DynamicCache, or turn checkpointing off "
+                             "(model.activation_checkpointing_disable())")
+        if (use_cache or given) and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
         self._refuse_meta_inputs(input_ids=input_ids, attention_mask=attention_mask)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
-        store = HFCacheAdapter(past_key_values) if use_cache else None
+        store = (HFCacheReader(past_key_values) if given and checkpointing
+                 else HFCacheAdapter(past_key_values) if use_cache or given else None)
         past = 0 if store is None else store.seq_len
         if past + t > self.native_config.max_seq_len:
             raise ValueError(f"cached length {past} + {t} new tokens exceeds max_seq_len={self.native_config.max_seq_len}")
@@ -209,7 +232,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         h, _ = self.decode(input_ids, attention_mask, store, inputs_embeds=inputs_embeds,
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         offload(onloaded)
-        return h, past_key_values if use_cache else None
+        return h, past_key_values if use_cache or given else None
 
     def _refuse_meta_inputs(self, **tensors: Tensor | None) -> None:
         """Refuse an input on the meta device (no values) next to weights that have values,
