@@ -2000,6 +2000,30 @@ def test_a_static_cache_under_activation_checkpointing_is_refused_not_dropped():
         model(input_ids=ids, **{CACHE_ARG: StaticCache(config=model.config, max_cache_len=16)}, use_cache=False)
 
 
+@pytest.mark.parametrize("option", ["cache_implementation", "assistant_model", "prompt_lookup_num_tokens"])
+def test_generation_modes_that_peft_prompt_tuning_cannot_take_are_refused_by_name(option):
+    """PEFT puts its virtual tokens in front only of the inputs the dynamic cache's first
+    step prepares: a static cache failed inside PEFT ("KeyError: 'cache_position'"), and
+    assisted decoding (a draft model, prompt lookup) generated other tokens than greedy
+    decoding without a word. They are refused naming the option; LoRA takes them."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    value = {"cache_implementation": "static", "assistant_model": AttnResForCausalLM.from_native(native_model(1)).eval(),
+             "prompt_lookup_num_tokens": 2}[option]
+    with pytest.raises(ValueError, match=f"{option}=.* under PEFT's prompt learning"):
+        model.generate(input_ids=torch.randint(1, 256, (1, 6)), max_new_tokens=3, do_sample=False, **{option: value})
+
+
+def test_early_exit_drafting_is_refused_by_name():
+    """transformers' early-exit drafting changes ``config.num_hidden_layers``, which the
+    decoder does not read: it failed in "'AttnResForCausalLM' object has no attribute ''"."""
+    model = AttnResForCausalLM.from_native(native_model()).eval()
+    with pytest.raises(ValueError, match="assistant_early_exit=1: .*assistant_model="):
+        model.generate(input_ids=torch.randint(1, 256, (1, 6)), max_new_tokens=3, do_sample=False, assistant_early_exit=1)
+
+
 def test_peft_lora_merged_generates_what_the_adapted_model_generates():
     """LoRA on the attention projections (non-zero adapters): the merged model's logits are
     the adapted model's, its greedy tokens too, and they differ from the base model's."""

@@ -389,11 +389,38 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         config = kwargs.get("generation_config") or self.generation_config
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         self._check_generation_length(kwargs.get("inputs_embeds") if prompt is None else prompt, kwargs, config)
+        self._check_generation_mode(kwargs, config)
         named = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_implementation"))
         if (self.device.type == "cuda" and not named and config.cache_implementation is None
                 and kwargs.get("use_cache", config.use_cache) is not False and not self._prompt_learning()):
             kwargs["cache_implementation"] = "static"
         return super().generate(*args, **kwargs)
+
+    def _check_generation_mode(self, kwargs: dict, config) -> None:
+        """Refuse, naming the option, the generation modes that gave other tokens than greedy
+        decoding without a word, or failed deep inside transformers or PEFT: early-exit drafting
+        (``assistant_early_exit``), and under PEFT's prompt learning a static cache and
+        assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), which feed the
+        model inputs that PEFT does not put its virtual tokens in front of."""
+        def given(name):
+            return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+
+        if given("assistant_early_exit") is not None:  # (it failed in "object has no attribute ''")
+            raise ValueError(f"assistant_early_exit={given('assistant_early_exit')}: transformers' early-exit drafting "
+                             "runs the model's first layers by changing config.num_hidden_layers, which the AttnRes "
+                             "decoder does not read (its residual mixes over every layer); draft with a smaller model "
+                             "instead: assistant_model=...")
+        if not self._prompt_learning():
+            return
+        cache = given("cache_implementation")
+        drafting = [f"{name}=..." for name in ("assistant_model", "prompt_lookup_num_tokens") if given(name) is not None]
+        if cache not in (None, "dynamic", "offloaded", "quantized"):
+            drafting.insert(0, f"cache_implementation={cache!r}")  # (PEFT: "KeyError: 'cache_position'")
+        if drafting:
+            raise ValueError(f"{', '.join(drafting)} under PEFT's prompt learning (prompt, prefix or p-tuning): PEFT puts "
+                             "its virtual tokens in front of the inputs only as the dynamic cache's first step prepares "
+                             "them, so a static cache failed and assisted decoding generated other tokens than greedy "
+                             "decoding; drop it (LoRA adapters take it)")
 
     def _prompt_learning(self) -> bool:
         """Whether PEFT's prompt learning prepares this generation's inputs: a ``PeftModel``
