@@ -1987,6 +1987,20 @@ def test_peft_prefix_tuning_trains_under_the_trainer_s_use_cache_false(checkpoin
         torch.testing.assert_close(grad, expected)
 
 
+def test_peft_prefix_tuning_under_a_reentrant_checkpoint_is_refused_naming_the_way_out():
+    """A reentrant checkpoint recomputes each sublayer in a backward of its own, and each went
+    through the graph that made prefix tuning's cache: "Trying to backward through the graph a
+    second time" at the first Trainer step. Refused, naming ``use_reentrant=False``."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).train()
+    activation_checkpointing(model.base_model, use_reentrant=True)
+    ids = torch.randint(1, 256, (2, 7))
+    with pytest.raises(ValueError, match="reentrant activation checkpoint.*'use_reentrant': False"):
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
 def test_a_static_cache_under_activation_checkpointing_is_refused_not_dropped():
     """A cache given to a training forward with activation checkpointing is read (prefix
     tuning's); a ``StaticCache``, whose buffers are mostly empty slots, cannot be read so and

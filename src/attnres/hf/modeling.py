@@ -61,6 +61,12 @@ class HFCacheReader(HFCacheAdapter):
     appended the recomputed keys a second time. (PEFT's prefix tuning hands its virtual
     tokens over as such a cache in every training forward.)"""
 
+    @staticmethod
+    def needs_gradients(cache: Cache) -> bool:
+        """Whether any key or value the cache holds needs gradients (prefix tuning's)."""
+        return any(getattr(held, "keys", None) is not None and held.keys.requires_grad
+                   for held in getattr(cache, "layers", ()))
+
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         layers = getattr(self.cache, "layers", ())
         held = layers[layer] if layer < len(layers) else None
@@ -124,6 +130,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         self.native_config = config.to_model_config()
         self.build_trunk(self.native_config)
         self.gradient_checkpointing = False
+        self._reentrant_checkpoint = False
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -171,7 +178,8 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         kw = {} if gradient_checkpointing_func is None else {"gradient_checkpointing_func": gradient_checkpointing_func}
         super()._set_gradient_checkpointing(enable=enable, every_n_layers=every_n_layers, **kw)
         keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
-        if enable and keywords.get("use_reentrant", True) is not False:
+        self._reentrant_checkpoint = enable and keywords.get("use_reentrant", True) is not False
+        if self._reentrant_checkpoint:
             self.defer_norm = False
         else:
             self.__dict__.pop("defer_norm", None)  # the class's: fused
@@ -210,6 +218,13 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
             raise ValueError(f"past_key_values: a {type(past_key_values).__name__} cannot be read under activation "
                              "checkpointing in training; pass a DynamicCache, or turn checkpointing off "
                              "(model.activation_checkpointing_disable())")
+        if given and checkpointing and self._reentrant_checkpoint and HFCacheReader.needs_gradients(past_key_values):
+            # (each sublayer's recompute ran its own backward through the graph that made the cache: "Trying to
+            # backward through the graph a second time")
+            raise ValueError("the cache passed in holds tensors that need gradients (PEFT's prefix tuning), which a "
+                             "reentrant activation checkpoint cannot pass through; checkpoint without it: "
+                             "gradient_checkpointing_kwargs={'use_reentrant': False} (TrainingArguments, or "
+                             "model.activation_checkpointing_enable)")
         if (use_cache or given) and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
         self._refuse_meta_inputs(input_ids=input_ids, attention_mask=attention_mask)
