@@ -2030,6 +2030,16 @@ def test_generation_modes_that_peft_prompt_tuning_cannot_take_are_refused_by_nam
         model.generate(input_ids=torch.randint(1, 256, (1, 6)), max_new_tokens=3, do_sample=False, **{option: value})
 
 
+@pytest.mark.parametrize("prompt", [torch.tensor([3, 4, 5]), [3, 4, 5]])
+def test_generate_names_one_prompt_s_ids_given_without_a_batch(prompt):
+    """One prompt's ids, 1-D (``tokenizer.encode``'s list, or a tensor of it), failed inside
+    transformers' ``generate`` ("IndexError: tuple index out of range"), where the forward
+    names the batch dimension: ``generate`` names it too."""
+    model = AttnResForCausalLM.from_native(native_model()).eval()
+    with pytest.raises(ValueError, match=r"generate: input_ids must be a \[batch, seq_len\] tensor.*a batch of one"):
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+
+
 def test_early_exit_drafting_is_refused_by_name():
     """transformers' early-exit drafting changes ``config.num_hidden_layers``, which the
     decoder does not read: it failed in "'AttnResForCausalLM' object has no attribute ''"."""

@@ -29,7 +29,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, ModelConfig, next_token_loss
-from ..models.trunk import check_device, check_label_values, check_labels_type
+from ..models.trunk import check_device, check_label_values, check_labels_type, one_prompt_hint
 from ..nn.compiled import uncompiled
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
@@ -403,6 +403,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         failed ("KeyError: 'cache_position'")."""
         config = kwargs.get("generation_config") or self.generation_config
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if one_prompt_hint(prompt):  # (transformers failed in "IndexError: tuple index out of range")
+            got = f"shape {tuple(prompt.shape)}" if isinstance(prompt, Tensor) else f"a {type(prompt).__name__}"
+            raise ValueError(f"generate: input_ids must be a [batch, seq_len] tensor, got {got}{one_prompt_hint(prompt)}")
         self._check_generation_length(kwargs.get("inputs_embeds") if prompt is None else prompt, kwargs, config)
         self._check_generation_mode(kwargs, config)
         named = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_implementation"))
