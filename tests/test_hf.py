@@ -1860,6 +1860,28 @@ def test_trainer_gradient_accumulation_equals_one_large_batch(tmp_path):
     torch.testing.assert_close(update_acc, update_one, rtol=1e-4, atol=1e-6)
 
 
+def test_trainer_evaluation_gathers_the_logits_of_a_prefix_tuned_model_and_not_its_cache(tmp_path):
+    """PEFT's prefix tuning hands the model a cache, which the output returns; the Trainer's
+    evaluation gathers every output but ``keys_to_ignore_at_inference``, which named only
+    ``past_key_values``, not transformers' ``cache`` (5.24+): with ``compute_metrics`` the
+    evaluation failed ("Unsupported types (DynamicCache) passed to `_pad_across_processes`").
+    The metrics now see the logits alone, as they do for transformers' Llama."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    data = _padded_examples(4)
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions)
+        return {}
+
+    trainer = _hf_trainer(model, tmp_path, [], per_device_eval_batch_size=2)
+    trainer.compute_metrics = metrics
+    trainer.evaluate(data)
+    assert len(seen) == 1 and not isinstance(seen[0], tuple) and seen[0].shape == (4, 12, 256)
+
+
 def test_trainer_label_smoothing_shifts_the_labels(tmp_path):
     """``label_smoothing_factor`` makes ``transformers.Trainer`` compute the loss from the
     logits itself, shifting the labels only for a model class it knows as a causal LM; it did

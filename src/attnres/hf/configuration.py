@@ -289,7 +289,8 @@ def _body(ns: dict) -> None:
         __doc__="HF config with the fields of :class:`attnres.ModelConfig` (same names, same defaults, validated "
         "by ``ModelConfig`` when the config is built).",
         model_type=NATIVE_MODEL_TYPE,
-        keys_to_ignore_at_inference=["past_key_values"],
+        # (the Trainer's evaluation gathers every other output: the cache's name from transformers 5.24 on, and before)
+        keys_to_ignore_at_inference=["cache", "past_key_values"],
         attribute_map={
             "hidden_size": "d_model",
             "num_hidden_layers": "n_layers",
