@@ -1429,6 +1429,33 @@ def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch, capfd, 
     assert tok.model_max_length == model.config.max_position_embeddings == model.config.max_seq_len
 
 
+def test_lm_eval_generation_tasks_run_on_an_export_without_an_end_of_text_token(tmp_path):
+    """lm-eval's ``generate_until`` (gsm8k and every generation task) decodes the tokenizer's
+    end-of-text id to add it to the stop strings; an export declares none, and decoding
+    ``None`` failed with "TypeError: 'None' is not an instance of 'Sequence'". The tokenizer
+    ``attnres eval`` gives the harness generates what ``generate`` does, up to the task's stop
+    string."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from attnres.hf.evaluate import harness_tokenizer
+
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    make_hf_tokenizer(ByteTokenizer(), hf.config.max_seq_len).save_pretrained(tmp_path / "hf")
+    tokenizer, prefix = harness_tokenizer(tmp_path / "hf")
+    assert tokenizer.eos_token_id is None
+    lm = HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=1, **prefix)
+    context = "the quick"
+    ids = tokenizer(context, return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:])
+    until = expected[3:5]  # (a stop string the greedy continuation holds)
+    out = lm.generate_until([Instance("generate_until", {}, (context, {"until": [until], "max_gen_toks": 6,
+                                                                         "do_sample": False}), 0)])
+    assert out == [expected[:expected.index(until)]]
+    assert tokenizer.decode([104, 105]) == "hi"  # (ids decode as before)
+
+
 def test_perplexity_windows_predict_every_token_once():
     from attnres.hf.evaluate import perplexity
 
