@@ -1804,6 +1804,22 @@ def test_from_pretrained_changes_only_the_residual_fields_it_is_given(tmp_path):
     assert (residual.kind, residual.block_size) == ("attnres_full", 2)
 
 
+@pytest.mark.parametrize("given, named", [({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                                             "rope_scaling=.* is an option the AttnRes decoder does not have"),
+                                            ({"n_layer": 1}, "unknown field 'n_layer' - did you mean 'n_layers'"),
+                                            ({"intermediate_size": 128}, "intermediate_size is the transformers name of "
+                                                                         "mlp_hidden")])
+def test_from_pretrained_names_a_keyword_that_is_no_field(tmp_path, given, named):
+    """A keyword of ``from_pretrained`` that is no config field went on to the model's
+    ``__init__``: "unexpected keyword argument 'rope_scaling'", naming neither the field meant
+    nor why; it is refused as ``AttnResConfig(...)`` refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    AttnResForCausalLM.from_native(native_model()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=named):
+        AutoModelForCausalLM.from_pretrained(tmp_path, **given)
+
+
 def test_a_saved_triton_backend_loads_where_triton_cannot_run(tmp_path):
     """A model trained on a GPU with ``backend="triton"`` and saved with ``save_pretrained``
     stored it; loaded on a CPU, its first forward failed ("backend='triton' runs the Triton

@@ -153,6 +153,9 @@ class _AttnResConfigMethods(SavesAutoMap):
             stored["residual"] = merge_residual(stored.get("residual"), kwargs.pop("residual"))
         with read_quietly():  # (a stored config.json: its residual fields were warned of when it was stated)
             config = naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
+        if isinstance(config, tuple):  # (from_pretrained's kwargs that are no field go on to the model's __init__, which
+            # takes none: "unexpected keyword argument 'rope_scaling'"; a near miss or an option the decoder lacks is named)
+            _check_extra_keys(*config)
         if given:
             stated(config[0].to_model_config if isinstance(config, tuple) else config.to_model_config, given)
         return config
