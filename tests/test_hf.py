@@ -2105,6 +2105,19 @@ def test_generate_names_one_prompt_s_ids_given_without_a_batch(prompt):
         model.generate(prompt, max_new_tokens=2, do_sample=False)
 
 
+def test_generate_given_a_tokenizer_s_output_says_to_unpack_it(tmp_path):
+    """``apply_chat_template(..., return_tensors="pt")`` returns a ``BatchEncoding`` in
+    transformers 5 (the ids in 4): passed to ``generate`` as the ids, it failed in an
+    ``AttributeError`` with no message. ``generate`` names it and ``generate(**inputs)``."""
+    model = AttnResForCausalLM.from_native(native_model()).eval()
+    tok = make_hf_tokenizer(ByteTokenizer(), model.config.max_seq_len)
+    inputs = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    with pytest.raises(ValueError, match=r"got the BatchEncoding of input_ids, attention_mask .*generate\(\*\*inputs"):
+        model.generate(inputs, max_new_tokens=2, do_sample=False)
+    assert model.generate(**inputs, max_new_tokens=2, do_sample=False).shape == (1, inputs["input_ids"].shape[1] + 2)
+
+
 def test_early_exit_drafting_is_refused_by_name():
     """transformers' early-exit drafting changes ``config.num_hidden_layers``, which the
     decoder does not read: it failed in "'AttnResForCausalLM' object has no attribute ''"."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -403,6 +404,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         failed ("KeyError: 'cache_position'")."""
         config = kwargs.get("generation_config") or self.generation_config
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if isinstance(prompt, Mapping):  # (a tokenizer's output, apply_chat_template's in transformers 5: "AttributeError")
+            raise ValueError(f"generate: input_ids must be a [batch, seq_len] tensor, got the {type(prompt).__name__} of "
+                             f"{', '.join(map(str, prompt))} a tokenizer returns: unpack it, generate(**inputs, ...)")
         if one_prompt_hint(prompt):  # (transformers failed in "IndexError: tuple index out of range")
             got = f"shape {tuple(prompt.shape)}" if isinstance(prompt, Tensor) else f"a {type(prompt).__name__}"
             raise ValueError(f"generate: input_ids must be a [batch, seq_len] tensor, got {got}{one_prompt_hint(prompt)}")
