@@ -2095,6 +2095,18 @@ def test_generation_modes_that_peft_prompt_tuning_cannot_take_are_refused_by_nam
         model.generate(input_ids=torch.randint(1, 256, (1, 6)), max_new_tokens=3, do_sample=False, **{option: value})
 
 
+def test_inputs_embeds_under_peft_prompt_tuning_are_refused_naming_input_ids():
+    """PEFT's ``prepare_inputs_for_generation`` (put on the model for the call) takes no
+    ``inputs_embeds``, and transformers refused them saying the model "doesn't have its
+    forwarding implemented" - which it has, without PEFT or with LoRA."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    embeds = model.get_input_embeddings()(torch.randint(1, 256, (1, 6)))
+    with pytest.raises(ValueError, match="inputs_embeds under PEFT's prompt learning.*pass input_ids"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=3, do_sample=False)
+
+
 @pytest.mark.parametrize("prompt", [torch.tensor([3, 4, 5]), [3, 4, 5]])
 def test_generate_names_one_prompt_s_ids_given_without_a_batch(prompt):
     """One prompt's ids, 1-D (``tokenizer.encode``'s list, or a tensor of it), failed inside

@@ -434,6 +434,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                              "instead: assistant_model=...")
         if not self._prompt_learning():
             return
+        if kwargs.get("inputs_embeds") is not None:  # (transformers: "AttnResForCausalLM doesn't have its forwarding
+            # implemented": it reads the signature of the prepare_inputs_for_generation PEFT puts on the model)
+            raise ValueError("inputs_embeds under PEFT's prompt learning (prompt, prefix or p-tuning): PEFT's "
+                             "prepare_inputs_for_generation, which it puts on the model for the call, takes no "
+                             "embeddings; pass input_ids (this model takes inputs_embeds without PEFT, or with LoRA)")
         cache = given("cache_implementation")
         drafting = [f"{name}=..." for name in ("assistant_model", "prompt_lookup_num_tokens") if given(name) is not None]
         if cache not in (None, "dynamic", "offloaded", "quantized"):
