@@ -1429,6 +1429,33 @@ def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch, capfd, 
     assert tok.model_max_length == model.config.max_position_embeddings == model.config.max_seq_len
 
 
+def test_lm_eval_generation_tasks_run_on_an_export_without_an_end_of_text_token(tmp_path):
+    """lm-eval's ``generate_until`` (gsm8k and every generation task) decodes the tokenizer's
+    end-of-text id to add it to the stop strings; an export declares none, and decoding
+    ``None`` failed with "TypeError: 'None' is not an instance of 'Sequence'". The tokenizer
+    ``attnres eval`` gives the harness generates what ``generate`` does, up to the task's stop
+    string."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from attnres.hf.evaluate import harness_tokenizer
+
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    make_hf_tokenizer(ByteTokenizer(), hf.config.max_seq_len).save_pretrained(tmp_path / "hf")
+    tokenizer, prefix = harness_tokenizer(tmp_path / "hf")
+    assert tokenizer.eos_token_id is None
+    lm = HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=1, **prefix)
+    context = "the quick"
+    ids = tokenizer(context, return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:])
+    until = expected[3:5]  # (a stop string the greedy continuation holds)
+    out = lm.generate_until([Instance("generate_until", {}, (context, {"until": [until], "max_gen_toks": 6,
+                                                                         "do_sample": False}), 0)])
+    assert out == [expected[:expected.index(until)]]
+    assert tokenizer.decode([104, 105]) == "hi"  # (ids decode as before)
+
+
 def test_perplexity_windows_predict_every_token_once():
     from attnres.hf.evaluate import perplexity
 
@@ -1777,6 +1804,22 @@ def test_from_pretrained_changes_only_the_residual_fields_it_is_given(tmp_path):
     assert (residual.kind, residual.block_size) == ("attnres_full", 2)
 
 
+@pytest.mark.parametrize("given, named", [({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                                             "rope_scaling=.* is an option the AttnRes decoder does not have"),
+                                            ({"n_layer": 1}, "unknown field 'n_layer' - did you mean 'n_layers'"),
+                                            ({"intermediate_size": 128}, "intermediate_size is the transformers name of "
+                                                                         "mlp_hidden")])
+def test_from_pretrained_names_a_keyword_that_is_no_field(tmp_path, given, named):
+    """A keyword of ``from_pretrained`` that is no config field went on to the model's
+    ``__init__``: "unexpected keyword argument 'rope_scaling'", naming neither the field meant
+    nor why; it is refused as ``AttnResConfig(...)`` refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    AttnResForCausalLM.from_native(native_model()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=named):
+        AutoModelForCausalLM.from_pretrained(tmp_path, **given)
+
+
 def test_a_saved_triton_backend_loads_where_triton_cannot_run(tmp_path):
     """A model trained on a GPU with ``backend="triton"`` and saved with ``save_pretrained``
     stored it; loaded on a CPU, its first forward failed ("backend='triton' runs the Triton
@@ -1858,6 +1901,28 @@ def test_trainer_gradient_accumulation_equals_one_large_batch(tmp_path):
     (loss_one, update_one), (loss_acc, update_acc) = runs
     assert loss_acc == pytest.approx(loss_one, rel=1e-5)
     torch.testing.assert_close(update_acc, update_one, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_evaluation_gathers_the_logits_of_a_prefix_tuned_model_and_not_its_cache(tmp_path):
+    """PEFT's prefix tuning hands the model a cache, which the output returns; the Trainer's
+    evaluation gathers every output but ``keys_to_ignore_at_inference``, which named only
+    ``past_key_values``, not transformers' ``cache`` (5.24+): with ``compute_metrics`` the
+    evaluation failed ("Unsupported types (DynamicCache) passed to `_pad_across_processes`").
+    The metrics now see the logits alone, as they do for transformers' Llama."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    data = _padded_examples(4)
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions)
+        return {}
+
+    trainer = _hf_trainer(model, tmp_path, [], per_device_eval_batch_size=2)
+    trainer.compute_metrics = metrics
+    trainer.evaluate(data)
+    assert len(seen) == 1 and not isinstance(seen[0], tuple) and seen[0].shape == (4, 12, 256)
 
 
 def test_trainer_label_smoothing_shifts_the_labels(tmp_path):
@@ -1951,6 +2016,126 @@ def test_peft_prompt_learning_generates_what_its_forward_predicts(method):
             nxt = model(input_ids=seq, attention_mask=seq_mask).logits[:, -1].argmax(-1)
             assert torch.equal(out[:, step], nxt), step
             seq, seq_mask = torch.cat([seq, nxt[:, None]], 1), torch.cat([seq_mask, torch.ones_like(mask[:, :1])], 1)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_peft_prefix_tuning_trains_under_the_trainer_s_use_cache_false(checkpointing):
+    """``transformers.Trainer`` sets ``config.use_cache = False`` (its ``args.use_cache``);
+    PEFT's prefix tuning still hands the model its virtual keys and values as a cache. The
+    cache was dropped under ``use_cache=False`` and the first training step failed
+    ("attention_mask must be a tensor of shape [batch, past + seq_len] = (4, 46), got (4,
+    50)"); a given cache is now read as transformers' models read it, and under activation
+    checkpointing read without being written (the recompute would append its keys twice):
+    the loss and the prefix's gradients are those of the forward with ``use_cache=True``."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model(residual="attnres_block")),
+                                peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).train()
+    ids = torch.randint(1, 256, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.prompt_encoder.parameters() if p.grad is not None]
+
+    reference, reference_grads = loss_and_grads()  # (config.use_cache: True)
+    model.base_model.config.use_cache = False  # (what the Trainer does)
+    if checkpointing:
+        activation_checkpointing(model.base_model, use_reentrant=False)
+    loss, grads = loss_and_grads()
+    torch.testing.assert_close(loss, reference)
+    assert grads and len(grads) == len(reference_grads)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, expected)
+
+
+def test_peft_prefix_tuning_under_a_reentrant_checkpoint_is_refused_naming_the_way_out():
+    """A reentrant checkpoint recomputes each sublayer in a backward of its own, and each went
+    through the graph that made prefix tuning's cache: "Trying to backward through the graph a
+    second time" at the first Trainer step. Refused, naming ``use_reentrant=False``."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).train()
+    activation_checkpointing(model.base_model, use_reentrant=True)
+    ids = torch.randint(1, 256, (2, 7))
+    with pytest.raises(ValueError, match="reentrant activation checkpoint.*'use_reentrant': False"):
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_a_static_cache_under_activation_checkpointing_is_refused_not_dropped():
+    """A cache given to a training forward with activation checkpointing is read (prefix
+    tuning's); a ``StaticCache``, whose buffers are mostly empty slots, cannot be read so and
+    is refused naming the way out (it was dropped without a word)."""
+    from transformers import StaticCache
+
+    model = AttnResForCausalLM.from_native(native_model()).train()
+    activation_checkpointing(model, use_reentrant=False)
+    ids = torch.randint(1, 256, (1, 5))
+    with pytest.raises(ValueError, match="StaticCache cannot be read under activation checkpointing.*DynamicCache"):
+        model(input_ids=ids, **{CACHE_ARG: StaticCache(config=model.config, max_cache_len=16)}, use_cache=False)
+
+
+@pytest.mark.parametrize("option", ["cache_implementation", "assistant_model", "prompt_lookup_num_tokens"])
+def test_generation_modes_that_peft_prompt_tuning_cannot_take_are_refused_by_name(option):
+    """PEFT puts its virtual tokens in front only of the inputs the dynamic cache's first
+    step prepares: a static cache failed inside PEFT ("KeyError: 'cache_position'"), and
+    assisted decoding (a draft model, prompt lookup) generated other tokens than greedy
+    decoding without a word. They are refused naming the option; LoRA takes them."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    value = {"cache_implementation": "static", "assistant_model": AttnResForCausalLM.from_native(native_model(1)).eval(),
+             "prompt_lookup_num_tokens": 2}[option]
+    with pytest.raises(ValueError, match=f"{option}=.* under PEFT's prompt learning"):
+        model.generate(input_ids=torch.randint(1, 256, (1, 6)), max_new_tokens=3, do_sample=False, **{option: value})
+
+
+def test_inputs_embeds_under_peft_prompt_tuning_are_refused_naming_input_ids():
+    """PEFT's ``prepare_inputs_for_generation`` (put on the model for the call) takes no
+    ``inputs_embeds``, and transformers refused them saying the model "doesn't have its
+    forwarding implemented" - which it has, without PEFT or with LoRA."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model()),
+                                peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    embeds = model.get_input_embeddings()(torch.randint(1, 256, (1, 6)))
+    with pytest.raises(ValueError, match="inputs_embeds under PEFT's prompt learning.*pass input_ids"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("prompt", [torch.tensor([3, 4, 5]), [3, 4, 5]])
+def test_generate_names_one_prompt_s_ids_given_without_a_batch(prompt):
+    """One prompt's ids, 1-D (``tokenizer.encode``'s list, or a tensor of it), failed inside
+    transformers' ``generate`` ("IndexError: tuple index out of range"), where the forward
+    names the batch dimension: ``generate`` names it too."""
+    model = AttnResForCausalLM.from_native(native_model()).eval()
+    with pytest.raises(ValueError, match=r"generate: input_ids must be a \[batch, seq_len\] tensor.*a batch of one"):
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+
+
+def test_generate_given_a_tokenizer_s_output_says_to_unpack_it(tmp_path):
+    """``apply_chat_template(..., return_tensors="pt")`` returns a ``BatchEncoding`` in
+    transformers 5 (the ids in 4): passed to ``generate`` as the ids, it failed in an
+    ``AttributeError`` with no message. ``generate`` names it and ``generate(**inputs)``."""
+    model = AttnResForCausalLM.from_native(native_model()).eval()
+    tok = make_hf_tokenizer(ByteTokenizer(), model.config.max_seq_len)
+    inputs = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    with pytest.raises(ValueError, match=r"got the BatchEncoding of input_ids, attention_mask .*generate\(\*\*inputs"):
+        model.generate(inputs, max_new_tokens=2, do_sample=False)
+    assert model.generate(**inputs, max_new_tokens=2, do_sample=False).shape == (1, inputs["input_ids"].shape[1] + 2)
+
+
+def test_early_exit_drafting_is_refused_by_name():
+    """transformers' early-exit drafting changes ``config.num_hidden_layers``, which the
+    decoder does not read: it failed in "'AttnResForCausalLM' object has no attribute ''"."""
+    model = AttnResForCausalLM.from_native(native_model()).eval()
+    with pytest.raises(ValueError, match="assistant_early_exit=1: .*assistant_model="):
+        model.generate(input_ids=torch.randint(1, 256, (1, 6)), max_new_tokens=3, do_sample=False, assistant_early_exit=1)
 
 
 def test_peft_lora_merged_generates_what_the_adapted_model_generates():

@@ -153,6 +153,9 @@ class _AttnResConfigMethods(SavesAutoMap):
             stored["residual"] = merge_residual(stored.get("residual"), kwargs.pop("residual"))
         with read_quietly():  # (a stored config.json: its residual fields were warned of when it was stated)
             config = naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
+        if isinstance(config, tuple):  # (from_pretrained's kwargs that are no field go on to the model's __init__, which
+            # takes none: "unexpected keyword argument 'rope_scaling'"; a near miss or an option the decoder lacks is named)
+            _check_extra_keys(*config)
         if given:
             stated(config[0].to_model_config if isinstance(config, tuple) else config.to_model_config, given)
         return config
@@ -289,7 +292,8 @@ def _body(ns: dict) -> None:
         __doc__="HF config with the fields of :class:`attnres.ModelConfig` (same names, same defaults, validated "
         "by ``ModelConfig`` when the config is built).",
         model_type=NATIVE_MODEL_TYPE,
-        keys_to_ignore_at_inference=["past_key_values"],
+        # (the Trainer's evaluation gathers every other output: the cache's name from transformers 5.24 on, and before)
+        keys_to_ignore_at_inference=["cache", "past_key_values"],
         attribute_map={
             "hidden_size": "d_model",
             "num_hidden_layers": "n_layers",

@@ -494,10 +494,27 @@ def harness_tokenizer(hf_dir: str | Path):
     # Padded positions are masked, so that token pads (in memory only).
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = own
+    if tokenizer.eos_token_id is None:
+        _decode_no_end_as_none(tokenizer)
     # The harness cuts long documents into windows itself: transformers' "Token indices sequence
     # length is longer than ... will result in indexing errors" is marked as said (its warn-once flag).
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer, prefix
+
+
+def _decode_no_end_as_none(tokenizer) -> None:
+    """Let ``tokenizer`` (in memory) decode ``None`` - the end-of-text id of a tokenizer that
+    declares none, attnres's exports' - as ``None``: lm-eval's ``generate_until`` adds the
+    decoded end-of-text token to each task's stop strings, and takes ``None`` for "no such
+    token", but decoding it failed every generation task (gsm8k, ...) with "TypeError:
+    'None' is not an instance of 'Sequence'" (lm-evaluation-harness issue 2178). Generation
+    then stops at the task's own stop strings or its ``max_gen_toks``."""
+    decode = tokenizer.decode
+
+    def decode_or_none(token_ids, *args, **kwargs):
+        return None if token_ids is None else decode(token_ids, *args, **kwargs)
+
+    tokenizer.decode = decode_or_none
 
 
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | float | None = None,

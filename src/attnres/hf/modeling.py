@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, ModelConfig, next_token_loss
-from ..models.trunk import check_device, check_label_values, check_labels_type
+from ..models.trunk import check_device, check_label_values, check_labels_type, one_prompt_hint
 from ..nn.compiled import uncompiled
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
@@ -52,6 +53,27 @@ class HFCacheAdapter:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self.cache.update(k, v, layer)
+
+
+class HFCacheReader(HFCacheAdapter):
+    """A given ``transformers.Cache`` read but not written: each layer attends over the keys
+    and values it holds and the new ones, and the cache is left as it was. For activation
+    checkpointing, whose backward runs each attention sublayer again: written, the cache
+    appended the recomputed keys a second time. (PEFT's prefix tuning hands its virtual
+    tokens over as such a cache in every training forward.)"""
+
+    @staticmethod
+    def needs_gradients(cache: Cache) -> bool:
+        """Whether any key or value the cache holds needs gradients (prefix tuning's)."""
+        return any(getattr(held, "keys", None) is not None and held.keys.requires_grad
+                   for held in getattr(cache, "layers", ()))
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        layers = getattr(self.cache, "layers", ())
+        held = layers[layer] if layer < len(layers) else None
+        if getattr(held, "keys", None) is None or held.keys.numel() == 0:  # (a layer the cache has not filled)
+            return k, v
+        return torch.cat([held.keys, k], dim=-2), torch.cat([held.values, v], dim=-2)
 
 
 class HFStaticCacheAdapter(HFCacheAdapter):
@@ -109,6 +131,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         self.native_config = config.to_model_config()
         self.build_trunk(self.native_config)
         self.gradient_checkpointing = False
+        self._reentrant_checkpoint = False
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -156,7 +179,8 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         kw = {} if gradient_checkpointing_func is None else {"gradient_checkpointing_func": gradient_checkpointing_func}
         super()._set_gradient_checkpointing(enable=enable, every_n_layers=every_n_layers, **kw)
         keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
-        if enable and keywords.get("use_reentrant", True) is not False:
+        self._reentrant_checkpoint = enable and keywords.get("use_reentrant", True) is not False
+        if self._reentrant_checkpoint:
             self.defer_norm = False
         else:
             self.__dict__.pop("defer_norm", None)  # the class's: fused
@@ -186,13 +210,28 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         if checkpointing and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
+        # A cache given is read whatever use_cache says, as transformers' models read it: the Trainer sets
+        # config.use_cache = False, and PEFT's prefix tuning hands its virtual tokens over as a cache.
+        given = past_key_values is not None
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        if use_cache and past_key_values.is_compileable:
+        if given and checkpointing and past_key_values.is_compileable:  # (its buffers hold C slots, most of them empty)
+            raise ValueError(f"past_key_values: a {type(past_key_values).__name__} cannot be read under activation "
+                             "checkpointing in training; pass a DynamicCache, or turn checkpointing off "
+                             "(model.activation_checkpointing_disable())")
+        if given and checkpointing and self._reentrant_checkpoint and HFCacheReader.needs_gradients(past_key_values):
+            # (each sublayer's recompute ran its own backward through the graph that made the cache: "Trying to
+            # backward through the graph a second time")
+            raise ValueError("the cache passed in holds tensors that need gradients (PEFT's prefix tuning), which a "
+                             "reentrant activation checkpoint cannot pass through; checkpoint without it: "
+                             "gradient_checkpointing_kwargs={'use_reentrant': False} (TrainingArguments, or "
+                             "model.activation_checkpointing_enable)")
+        if (use_cache or given) and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
         self._refuse_meta_inputs(input_ids=input_ids, attention_mask=attention_mask)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
-        store = HFCacheAdapter(past_key_values) if use_cache else None
+        store = (HFCacheReader(past_key_values) if given and checkpointing
+                 else HFCacheAdapter(past_key_values) if use_cache or given else None)
         past = 0 if store is None else store.seq_len
         if past + t > self.native_config.max_seq_len:
             raise ValueError(f"cached length {past} + {t} new tokens exceeds max_seq_len={self.native_config.max_seq_len}")
@@ -209,7 +248,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         h, _ = self.decode(input_ids, attention_mask, store, inputs_embeds=inputs_embeds,
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         offload(onloaded)
-        return h, past_key_values if use_cache else None
+        return h, past_key_values if use_cache or given else None
 
     def _refuse_meta_inputs(self, **tensors: Tensor | None) -> None:
         """Refuse an input on the meta device (no values) next to weights that have values,
@@ -365,12 +404,50 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         failed ("KeyError: 'cache_position'")."""
         config = kwargs.get("generation_config") or self.generation_config
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if isinstance(prompt, Mapping):  # (a tokenizer's output, apply_chat_template's in transformers 5: "AttributeError")
+            raise ValueError(f"generate: input_ids must be a [batch, seq_len] tensor, got the {type(prompt).__name__} of "
+                             f"{', '.join(map(str, prompt))} a tokenizer returns: unpack it, generate(**inputs, ...)")
+        if one_prompt_hint(prompt):  # (transformers failed in "IndexError: tuple index out of range")
+            got = f"shape {tuple(prompt.shape)}" if isinstance(prompt, Tensor) else f"a {type(prompt).__name__}"
+            raise ValueError(f"generate: input_ids must be a [batch, seq_len] tensor, got {got}{one_prompt_hint(prompt)}")
         self._check_generation_length(kwargs.get("inputs_embeds") if prompt is None else prompt, kwargs, config)
+        self._check_generation_mode(kwargs, config)
         named = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_implementation"))
         if (self.device.type == "cuda" and not named and config.cache_implementation is None
                 and kwargs.get("use_cache", config.use_cache) is not False and not self._prompt_learning()):
             kwargs["cache_implementation"] = "static"
         return super().generate(*args, **kwargs)
+
+    def _check_generation_mode(self, kwargs: dict, config) -> None:
+        """Refuse, naming the option, the generation modes that gave other tokens than greedy
+        decoding without a word, or failed deep inside transformers or PEFT: early-exit drafting
+        (``assistant_early_exit``), and under PEFT's prompt learning a static cache and
+        assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), which feed the
+        model inputs that PEFT does not put its virtual tokens in front of."""
+        def given(name):
+            return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+
+        if given("assistant_early_exit") is not None:  # (it failed in "object has no attribute ''")
+            raise ValueError(f"assistant_early_exit={given('assistant_early_exit')}: transformers' early-exit drafting "
+                             "runs the model's first layers by changing config.num_hidden_layers, which the AttnRes "
+                             "decoder does not read (its residual mixes over every layer); draft with a smaller model "
+                             "instead: assistant_model=...")
+        if not self._prompt_learning():
+            return
+        if kwargs.get("inputs_embeds") is not None:  # (transformers: "AttnResForCausalLM doesn't have its forwarding
+            # implemented": it reads the signature of the prepare_inputs_for_generation PEFT puts on the model)
+            raise ValueError("inputs_embeds under PEFT's prompt learning (prompt, prefix or p-tuning): PEFT's "
+                             "prepare_inputs_for_generation, which it puts on the model for the call, takes no "
+                             "embeddings; pass input_ids (this model takes inputs_embeds without PEFT, or with LoRA)")
+        cache = given("cache_implementation")
+        drafting = [f"{name}=..." for name in ("assistant_model", "prompt_lookup_num_tokens") if given(name) is not None]
+        if cache not in (None, "dynamic", "offloaded", "quantized"):
+            drafting.insert(0, f"cache_implementation={cache!r}")  # (PEFT: "KeyError: 'cache_position'")
+        if drafting:
+            raise ValueError(f"{', '.join(drafting)} under PEFT's prompt learning (prompt, prefix or p-tuning): PEFT puts "
+                             "its virtual tokens in front of the inputs only as the dynamic cache's first step prepares "
+                             "them, so a static cache failed and assisted decoding generated other tokens than greedy "
+                             "decoding; drop it (LoRA adapters take it)")
 
     def _prompt_learning(self) -> bool:
         """Whether PEFT's prompt learning prepares this generation's inputs: a ``PeftModel``
