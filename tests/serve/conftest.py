@@ -506,13 +506,17 @@ STRUCTURED = [{"params": {"regex": STRUCTURED_REGEX}, "stop": []},
 #: Sampling options the engine applies to the model's logits (greedy, :data:`OPTIONS_MAX_TOKENS`
 #: tokens each of :data:`FEATURE_PROMPTS`): name -> ``SamplingParams`` keyword arguments. The
 #: token ids are bytes (the byte tokenizer): 94 "^", 42 "*", 97 "a", 51 "3", 63 "?", 19 a control
-#: byte - each in the test models' greedy tokens, so that every option changes some of them.
+#: byte - each in the test models' greedy tokens, so that every option changes some of them; the
+#: penalties change them where the greedy tokens repeat a token (of the prompt, for repetition_penalty).
 OPTIONS_MAX_TOKENS = 12
 OPTIONS = {"top_logprobs": {"logprobs": 5},
            "logit_bias": {"logit_bias": {94: -5.0, 42: -5.0, 97: 3.0}},
            "allowed_token_ids": {"allowed_token_ids": list(range(97, 123))},
            "bad_words": {"bad_words": ["^", "3", "?\x13"]},
-           "min_tokens": {"min_tokens": 4, "stop_token_ids": [94, 63, 51]}}
+           "min_tokens": {"min_tokens": 4, "stop_token_ids": [94, 63, 51]},
+           "presence_penalty": {"presence_penalty": 1.5},
+           "frequency_penalty": {"frequency_penalty": 1.0},
+           "repetition_penalty": {"repetition_penalty": 1.8}}
 #: ``LLM.chat``: one user message a conversation, rendered by the directory's chat template.
 CHATS = [[{"role": "user", "content": prompt}] for prompt in FEATURE_PROMPTS[:2]]
 
