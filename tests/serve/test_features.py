@@ -3,7 +3,7 @@ upcycled Llama, each against the model itself (``attnres generate`` and the nati
 forward for the export, HF ``generate`` and forward for the Llama; conftest.reference_model):
 seeded parallel sampling (``n > 1``), ``LLM.beam_search`` against a beam search computed here,
 prompt log-probabilities, preemption under KV-cache pressure, structured outputs (guided
-decoding by a regular expression or a choice), the sampling options the engine applies to the
+decoding by a regular expression, a choice or a JSON schema's grammar), the sampling options the engine applies to the
 logits (``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens`` with stop tokens,
 top-5 ``logprobs``; the presence, frequency and repetition penalties), ``LLM.chat``, embeddings
 from vLLM's pooling runner, and prompt embeddings as input (``enable_prompt_embeds``). One engine
@@ -11,6 +11,7 @@ a model serves all of them but the embeddings and the prompt embeddings (conftes
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -132,7 +133,7 @@ def test_structured_outputs_hold_to_the_constraint(features, name):
     constraint is met: xgrammar's mask then leaves no token, vLLM samples token 0 (byte 0) and
     ends the request as ``error``. A terminator in the constraint and a stop string at it end
     the request there, ``stop``, the text the constraint's alone."""
-    regex, choice, regex_stop, choice_stop = features[name].result()["structured"]
+    regex, choice, regex_stop, choice_stop = features[name].result()["structured"][:4]
     for out in regex + choice:
         assert out["ids"][-1] == 0 and out["finish_reason"] == "error", out
     assert all(re.fullmatch(STRUCTURED_REGEX, out["text"][:-1]) for out in regex), regex
@@ -141,6 +142,17 @@ def test_structured_outputs_hold_to_the_constraint(features, name):
         assert out["finish_reason"] == "stop" and out["ids"][-1] == ord(STRUCTURED_STOP), out
     assert all(re.fullmatch(STRUCTURED_REGEX, out["text"]) for out in regex_stop), regex_stop
     assert all(out["text"] in STRUCTURED_CHOICES for out in choice_stop), choice_stop
+
+
+def test_a_json_schema_as_docs_grammar_ends_at_its_terminator(features, name):
+    """A JSON schema has no place for a terminator, and its grammar allows whitespace once the
+    object is complete; written as docs/serving.md says - xgrammar's grammar of the schema, then
+    the terminator - each request ends at the stop string, ``stop``, with a JSON object of the
+    schema."""
+    for out in features[name].result()["structured"][4]:
+        assert out["finish_reason"] == "stop" and out["ids"][-1] == ord(STRUCTURED_STOP), out
+        value = json.loads(out["text"])
+        assert set(value) == {"a", "b"} and isinstance(value["a"], bool) and value["b"] in ({"c": "x"}, {"c": "y"}), out
 
 
 def test_embeddings_are_the_final_hidden_state(features, reference, name):
