@@ -497,22 +497,45 @@ SAMPLING = dict(n=4, seed=1, temperature=1.0, top_k=5, max_tokens=8)
 SAMPLING_TOP_1 = dict(SAMPLING, n=3, top_k=1)
 BEAM_WIDTH, BEAM_TOKENS = 3, 5
 #: Structured outputs: a regular expression and a choice, each with and without a terminator that
-#: a stop string ends the request at (an export's tokenizer has no end-of-sequence token to end it).
+#: a stop string ends the request at (an export's tokenizer has no end-of-sequence token to end it);
+#: a JSON schema with the terminator.
 STRUCTURED_REGEX, STRUCTURED_CHOICES, STRUCTURED_STOP = "[0-9]{3}-[a-z]{2}", ["apple", "banana", "cherry"], ";"
 STRUCTURED = [{"params": {"regex": STRUCTURED_REGEX}, "stop": []},
               {"params": {"choice": STRUCTURED_CHOICES}, "stop": []},
               {"params": {"regex": STRUCTURED_REGEX + STRUCTURED_STOP}, "stop": [STRUCTURED_STOP]},
               {"params": {"choice": [c + STRUCTURED_STOP for c in STRUCTURED_CHOICES]}, "stop": [STRUCTURED_STOP]}]
+#: A JSON schema (nested, every value from a few: the text is short whatever a random model picks),
+#: given as docs/serving.md's grammar: xgrammar's of the schema, then the terminator.
+STRUCTURED_JSON = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+                   "properties": {"a": {"type": "boolean"},
+                                  "b": {"type": "object", "required": ["c"], "additionalProperties": False,
+                                        "properties": {"c": {"enum": ["x", "y"]}}}}}
+STRUCTURED_MAX_TOKENS = 40
+
+
+def json_grammar(schema: dict, terminator: str) -> str:
+    """docs/serving.md's grammar of a JSON schema that ends at ``terminator``."""
+    import xgrammar
+
+    ebnf = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    return ebnf.replace("root ::=", "json_root ::=", 1) + f'\nroot ::= json_root "{terminator}"\n'
+
+
+STRUCTURED.append({"params": {"grammar": json_grammar(STRUCTURED_JSON, STRUCTURED_STOP)}, "stop": [STRUCTURED_STOP]})
 #: Sampling options the engine applies to the model's logits (greedy, :data:`OPTIONS_MAX_TOKENS`
 #: tokens each of :data:`FEATURE_PROMPTS`): name -> ``SamplingParams`` keyword arguments. The
 #: token ids are bytes (the byte tokenizer): 94 "^", 42 "*", 97 "a", 51 "3", 63 "?", 19 a control
-#: byte - each in the test models' greedy tokens, so that every option changes some of them.
+#: byte - each in the test models' greedy tokens, so that every option changes some of them; the
+#: penalties change them where the greedy tokens repeat a token (of the prompt, for repetition_penalty).
 OPTIONS_MAX_TOKENS = 12
 OPTIONS = {"top_logprobs": {"logprobs": 5},
            "logit_bias": {"logit_bias": {94: -5.0, 42: -5.0, 97: 3.0}},
            "allowed_token_ids": {"allowed_token_ids": list(range(97, 123))},
            "bad_words": {"bad_words": ["^", "3", "?\x13"]},
-           "min_tokens": {"min_tokens": 4, "stop_token_ids": [94, 63, 51]}}
+           "min_tokens": {"min_tokens": 4, "stop_token_ids": [94, 63, 51]},
+           "presence_penalty": {"presence_penalty": 1.5},
+           "frequency_penalty": {"frequency_penalty": 1.0},
+           "repetition_penalty": {"repetition_penalty": 1.8}}
 #: ``LLM.chat``: one user message a conversation, rendered by the directory's chat template.
 CHATS = [[{"role": "user", "content": prompt}] for prompt in FEATURE_PROMPTS[:2]]
 
@@ -545,7 +568,8 @@ def features(session_root, model_dirs, jobs) -> dict[str, _Part]:
                       "sampling": {"prompts": FEATURE_PROMPTS, "params": [SAMPLING, SAMPLING_TOP_1]},
                       "beam_search": {"prompts": FEATURE_PROMPTS, "beam_width": BEAM_WIDTH, "max_tokens": BEAM_TOKENS},
                       "prompt_logprobs": PROMPTS,
-                      "structured": {"prompts": FEATURE_PROMPTS, "max_tokens": 12, "constraints": STRUCTURED},
+                      "structured": {"prompts": FEATURE_PROMPTS, "max_tokens": STRUCTURED_MAX_TOKENS,
+                                     "constraints": STRUCTURED},
                       "options": {"prompts": FEATURE_PROMPTS, "max_tokens": OPTIONS_MAX_TOKENS, "params": OPTIONS},
                       "chat": {"conversations": CHATS, "max_tokens": OPTIONS_MAX_TOKENS}})
         plain = {k: ENGINE[k] for k in ("dtype", "max_model_len", "block_size", "seed")} | {"enforce_eager": True}

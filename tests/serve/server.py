@@ -140,7 +140,7 @@ def exercise_server(directory: Path, prompts: list[str], chat: list[dict], max_t
     and detokenisation settings, greedy: ``completions`` - one request with every prompt,
     and each prompt streamed; ``chat`` - plain and streamed; ``models`` - ``/v1/models``;
     ``tokenized`` and ``detokenized`` - each prompt through ``/tokenize`` and its tokens back
-    through ``/detokenize``; ``beam_search`` - ``use_beam_search`` completions of the first
+    through ``/detokenize``; ``echo`` - the first prompt echoed, with ``logprobs``; ``beam_search`` - ``use_beam_search`` completions of the first
     two prompts, ``beams`` (width, tokens); then ``burst`` prompts at once,
     each with its own ``seed``, and whether the server is still healthy after them; the
     processes the server ran (itself, its engine core and workers) and those still running
@@ -156,6 +156,7 @@ def exercise_server(directory: Path, prompts: list[str], chat: list[dict], max_t
                "tokenized": [post(url + "/tokenize", {"model": str(directory), "prompt": p})["tokens"] for p in prompts]}
         out["detokenized"] = [post(url + "/detokenize", {"model": str(directory), "tokens": t})["prompt"]
                               for t in out["tokenized"]]
+        out["echo"] = post(url + "/v1/completions", {**common, "prompt": prompts[0], "echo": True, "logprobs": 1})
         width, tokens = beams
         out["beam_search"] = [post(url + "/v1/completions", {**common, "prompt": p, "use_beam_search": True, "n": width,
                                                              "max_tokens": tokens, "return_token_ids": True})

