@@ -636,6 +636,38 @@ def test_the_eval_batches_a_short_validation_split_suggests_silence_it():
                                     val_tokens) is None, said
 
 
+# -- a step larger than the training split ---------------------------------------------------
+
+def test_a_batch_larger_than_the_training_split_is_said(tmp_path, corpus):
+    """batch_size=5000 windows of 32 tokens on a split of about 600: training ran and finished
+    without a word, each step drawing every window about 8 times over (the sampler's next epochs)."""
+    with pytest.warns(UserWarning, match=r"^batch_size=5000 training windows of seq_len=32 tokens a step, and the "
+                      r"training split \([0-9,]+ tokens\) holds [0-9]+: every step trains on each window about "
+                      r"[0-9.]+ times, at that cost and with no more text; lower batch_size to at most [0-9]+, or give "
+                      r"more text$") as said:
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run", batch_size=5000, steps=1, warmup_steps=0)]) == 0
+    message = next(str(w.message) for w in said if "training windows" in str(w.message))
+    held = int(re.search(r"at most ([0-9]+),", message)[1])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="batch_size=")  # a step the split holds: nothing to say
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run2", batch_size=held, eval_batches=1, steps=1,
+                                             warmup_steps=0)]) == 0
+
+
+def test_a_step_of_micro_batches_larger_than_the_training_split_names_grad_accum():
+    """The windows a step draws are batch_size x grad_accum; the advice given is one that holds."""
+    from attnres.train import TrainConfig
+    from attnres.train.summary import oversized_batch
+
+    said = oversized_batch(TrainConfig(batch_size=16, grad_accum=4, seq_len=128), 50 * 128)
+    assert said.startswith("batch_size=16 x grad_accum=4 = 64 training windows") and "at most 12," in said, said
+    assert oversized_batch(TrainConfig(batch_size=12, grad_accum=4, seq_len=128), 50 * 128) is None
+    assert "at most 2 (and grad_accum to 1)" in oversized_batch(TrainConfig(batch_size=2, grad_accum=4, seq_len=128),
+                                                                2 * 128)
+
+
 # -- the bf16 residual stream asked for without autocast -----------------------------------
 
 AUTOCAST_OPTIONS_SAID = {"autocast_stream": "the residual stream in bf16",
