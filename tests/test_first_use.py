@@ -912,6 +912,25 @@ def test_a_config_file_with_a_key_twice_or_bad_yaml_is_said_in_one_line(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("text", ["", "# lr: 1e-3\n", "---\n"])
+def test_a_config_file_that_holds_no_settings_is_said(tmp_path, text):
+    """An empty config file (one left unsaved) trained the default model on the default corpus
+    without a word, as if --config had been left out."""
+    from attnres.train import load_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    with pytest.warns(UserWarning, match=rf"^config file '{re.escape(str(config))}' holds no settings \(it is empty, or "
+                      r"comments only\): every field takes its default, but for the command's overrides"):
+        assert load_config(config, ["steps=3"]).steps == 3
+    import warnings
+
+    config.write_text("{}\n")  # (a mapping, given empty on purpose: nothing to say)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="config file")
+        load_config(config)
+
+
 def test_yaml_merges_and_anchors_still_load(tmp_path):
     from attnres.train.config import _yaml_load
 
