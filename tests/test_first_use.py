@@ -904,6 +904,11 @@ def test_messages_name_the_one_limit_and_the_directory(tmp_path, finished_run, c
     ("a: [1\n", "expected ',' or ']', but got '<stream end>' at line 2, column 1"),   # in one line, not seven
     ("data: corpus.txt\n", "TrainConfig.data must be a mapping; got 'corpus.txt'; for a corpus of your own: "
                           "data.paths=[FILE, ...]"),
+    # "must hold a mapping at the top level", whatever it held: a list of settings, a corpus given as --config
+    ("- steps: 3\n- lr: 1e-3\n", "must hold a mapping at the top level, `key: value` lines (`steps: 1000`); it holds "
+                                 "a list of 2 items (`- key: value` lines: drop the dashes)"),
+    ("the quick brown fox\njumps over\n", "it holds the text 'the quick br...ox jumps over' (not a YAML file of "
+                                          "settings?)"),
 ])
 def test_a_config_file_with_a_key_twice_or_bad_yaml_is_said_in_one_line(tmp_path, capsys, text, said):
     config = tmp_path / "c.yaml"

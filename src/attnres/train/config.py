@@ -782,6 +782,17 @@ def _note_left_out(path: str | Path, left_out: dict[str, Any]) -> None:
               f"{'it' if one else 'them'} for this one")
 
 
+def _yaml_kind(value: Any) -> str:
+    """What a YAML document that is no mapping holds, in words: a text file given as the config
+    file reads as one string (a corpus, a tokenizer's file), a list of settings as a list."""
+    if isinstance(value, list):
+        return f"a list of {len(value)} item{'s' * (len(value) != 1)}" + (" (`- key: value` lines: drop the dashes)"
+                                                                          if any(isinstance(v, dict) for v in value) else "")
+    if isinstance(value, str):
+        return f"the text {reprlib.repr(value)} (not a YAML file of settings?)"
+    return f"the {type(value).__name__} {value!r}"
+
+
 def _note_empty(path: Path) -> None:
     """Warn that the config file ``path`` holds no settings (empty, or comments only): the run
     takes every default. Rank 0 only, as :func:`_note_left_out`."""
@@ -850,7 +861,8 @@ def _config_file_data(path: str | Path | None) -> tuple[dict[str, Any], dict[str
             _note_empty(p)
         data = {} if loaded is None else loaded
         if not isinstance(data, dict):
-            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level, `key: value` lines "
+                             f"(`steps: 1000`); it holds {_yaml_kind(data)}")
         data = _without_anchor_keys(data, text, str(p))
         if _is_a_runs_config(p):
             defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
