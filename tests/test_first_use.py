@@ -508,6 +508,10 @@ def test_the_nearest_name_is_a_close_spelling_or_the_one_name_with_that_ending()
     # another name of an allowed value first: 'gpu' is nearer 'cpu' than 'cuda' by spelling
     assert (nearest("gpu", ["auto", "cpu", "cuda"]), nearest("BF16", ["float32", "bfloat16"])) == ("cuda", "bfloat16")
     assert nearest("gpu", ["auto", "cpu"]) == "cpu"   # (the alias's value not allowed: spelling decides)
+    # two letters swapped twice, too far for difflib: the one name of those letters (of two: no guess)
+    presets = ["bench-cpu", "bench-infer", "tiny", "train-cpu"]
+    assert (nearest("tyni", presets), nearest("TNIY", presets), nearest("yitn", ["tiny", "nity"])) == \
+        ("tiny", "tiny", None)
 
 
 @pytest.mark.parametrize("argv, fragment, hint", [
