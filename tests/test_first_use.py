@@ -508,6 +508,10 @@ def test_the_nearest_name_is_a_close_spelling_or_the_one_name_with_that_ending()
     # another name of an allowed value first: 'gpu' is nearer 'cpu' than 'cuda' by spelling
     assert (nearest("gpu", ["auto", "cpu", "cuda"]), nearest("BF16", ["float32", "bfloat16"])) == ("cuda", "bfloat16")
     assert nearest("gpu", ["auto", "cpu"]) == "cpu"   # (the alias's value not allowed: spelling decides)
+    # two letters swapped twice, too far for difflib: the one name of those letters (of two: no guess)
+    presets = ["bench-cpu", "bench-infer", "tiny", "train-cpu"]
+    assert (nearest("tyni", presets), nearest("TNIY", presets), nearest("yitn", ["tiny", "nity"])) == \
+        ("tiny", "tiny", None)
 
 
 @pytest.mark.parametrize("argv, fragment, hint", [
@@ -634,6 +638,38 @@ def test_the_eval_batches_a_short_validation_split_suggests_silence_it():
         else:
             assert short_validation(TrainConfig(batch_size=16, seq_len=128, eval_batches=int(lower[1])),
                                     val_tokens) is None, said
+
+
+# -- a step larger than the training split ---------------------------------------------------
+
+def test_a_batch_larger_than_the_training_split_is_said(tmp_path, corpus):
+    """batch_size=5000 windows of 32 tokens on a split of about 600: training ran and finished
+    without a word, each step drawing every window about 8 times over (the sampler's next epochs)."""
+    with pytest.warns(UserWarning, match=r"^batch_size=5000 training windows of seq_len=32 tokens a step, and the "
+                      r"training split \([0-9,]+ tokens\) holds [0-9]+: every step trains on each window about "
+                      r"[0-9.]+ times, at that cost and with no more text; lower batch_size to at most [0-9]+, or give "
+                      r"more text$") as said:
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run", batch_size=5000, steps=1, warmup_steps=0)]) == 0
+    message = next(str(w.message) for w in said if "training windows" in str(w.message))
+    held = int(re.search(r"at most ([0-9]+),", message)[1])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="batch_size=")  # a step the split holds: nothing to say
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run2", batch_size=held, eval_batches=1, steps=1,
+                                             warmup_steps=0)]) == 0
+
+
+def test_a_step_of_micro_batches_larger_than_the_training_split_names_grad_accum():
+    """The windows a step draws are batch_size x grad_accum; the advice given is one that holds."""
+    from attnres.train import TrainConfig
+    from attnres.train.summary import oversized_batch
+
+    said = oversized_batch(TrainConfig(batch_size=16, grad_accum=4, seq_len=128), 50 * 128)
+    assert said.startswith("batch_size=16 x grad_accum=4 = 64 training windows") and "at most 12," in said, said
+    assert oversized_batch(TrainConfig(batch_size=12, grad_accum=4, seq_len=128), 50 * 128) is None
+    assert "at most 2 (and grad_accum to 1)" in oversized_batch(TrainConfig(batch_size=2, grad_accum=4, seq_len=128),
+                                                                2 * 128)
 
 
 # -- the bf16 residual stream asked for without autocast -----------------------------------
@@ -872,12 +908,36 @@ def test_messages_name_the_one_limit_and_the_directory(tmp_path, finished_run, c
     ("a: [1\n", "expected ',' or ']', but got '<stream end>' at line 2, column 1"),   # in one line, not seven
     ("data: corpus.txt\n", "TrainConfig.data must be a mapping; got 'corpus.txt'; for a corpus of your own: "
                           "data.paths=[FILE, ...]"),
+    # "must hold a mapping at the top level", whatever it held: a list of settings, a corpus given as --config
+    ("- steps: 3\n- lr: 1e-3\n", "must hold a mapping at the top level, `key: value` lines (`steps: 1000`); it holds "
+                                 "a list of 2 items (`- key: value` lines: drop the dashes)"),
+    ("the quick brown fox\njumps over\n", "it holds the text 'the quick br...ox jumps over' (not a YAML file of "
+                                          "settings?)"),
 ])
 def test_a_config_file_with_a_key_twice_or_bad_yaml_is_said_in_one_line(tmp_path, capsys, text, said):
     config = tmp_path / "c.yaml"
     config.write_text(text)
     fails_with(capsys, ["train", "--config", str(config), f"out_dir={tmp_path / 'run'}"], said)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text", ["", "# lr: 1e-3\n", "---\n"])
+def test_a_config_file_that_holds_no_settings_is_said(tmp_path, text):
+    """An empty config file (one left unsaved) trained the default model on the default corpus
+    without a word, as if --config had been left out."""
+    from attnres.train import load_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    with pytest.warns(UserWarning, match=rf"^config file '{re.escape(str(config))}' holds no settings \(it is empty, or "
+                      r"comments only\): every field takes its default, but for the command's overrides"):
+        assert load_config(config, ["steps=3"]).steps == 3
+    import warnings
+
+    config.write_text("{}\n")  # (a mapping, given empty on purpose: nothing to say)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="config file")
+        load_config(config)
 
 
 def test_yaml_merges_and_anchors_still_load(tmp_path):

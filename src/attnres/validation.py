@@ -55,7 +55,8 @@ def nearest(value: Any, allowed: Iterable[str], cutoff: float = 0.6) -> str | No
     """The allowed string nearest to a misspelt ``value`` (``difflib``'s similarity, at least
     ``cutoff``; a higher one for long lists, where some name is always somewhat near; first the
     value an :data:`ALIASES` name stands for: 'gpu' -> 'cuda', not 'cpu'; then the one allowed
-    string ``value`` is in another case), else the one allowed string that ends in ``_value``
+    string ``value`` is in another case), else the one allowed string of ``value``'s letters in
+    another order (``tyni`` -> 'tiny'), else the one allowed string that ends in ``_value``
     (``block`` -> 'attnres_block'), or ``None`` when no allowed one is near or ``value`` is not
     a string."""
     if not isinstance(value, str):
@@ -70,6 +71,10 @@ def nearest(value: Any, allowed: Iterable[str], cutoff: float = 0.6) -> str | No
     near = difflib.get_close_matches(value, allowed, n=1, cutoff=cutoff)
     if near:
         return near[0]
+    # the letters of one allowed name in another order (difflib rated 'tyni' 0.5 against 'tiny': no guess)
+    shuffled = [a for a in allowed if len(value) > 2 and sorted(a.casefold()) == sorted(value.casefold())]
+    if len(shuffled) == 1:
+        return shuffled[0]
     # a name given without its prefix (``kind=block`` for 'attnres_block'), when one allowed name ends so
     ends = [a for a in allowed if value and a.endswith("_" + value)]
     return ends[0] if len(ends) == 1 else None

@@ -782,6 +782,27 @@ def _note_left_out(path: str | Path, left_out: dict[str, Any]) -> None:
               f"{'it' if one else 'them'} for this one")
 
 
+def _yaml_kind(value: Any) -> str:
+    """What a YAML document that is no mapping holds, in words: a text file given as the config
+    file reads as one string (a corpus, a tokenizer's file), a list of settings as a list."""
+    if isinstance(value, list):
+        return f"a list of {len(value)} item{'s' * (len(value) != 1)}" + (" (`- key: value` lines: drop the dashes)"
+                                                                          if any(isinstance(v, dict) for v in value) else "")
+    if isinstance(value, str):
+        return f"the text {reprlib.repr(value)} (not a YAML file of settings?)"
+    return f"the {type(value).__name__} {value!r}"
+
+
+def _note_empty(path: Path) -> None:
+    """Warn that the config file ``path`` holds no settings (empty, or comments only): the run
+    takes every default. Rank 0 only, as :func:`_note_left_out`."""
+    from ..user_warning import warn_user
+
+    if os.environ.get("RANK", "0") == "0":
+        warn_user(f"config file {str(path)!r} holds no settings (it is empty, or comments only): every field takes "
+                  "its default, but for the command's overrides (`attnres train --help` lists them)")
+
+
 def _is_a_runs_config(path: Path) -> bool:
     """Whether ``path`` is the ``config.json`` a training run wrote into its directory."""
     from ..checkpoint.locate import RUN_LOG
@@ -833,11 +854,15 @@ def _config_file_data(path: str | Path | None) -> tuple[dict[str, Any], dict[str
             raise ValueError(missing_config_error(p))
         text = read_text_file(p, "config file")  # (a binary or unreadable file named)
         try:
-            data = _yaml_load(text) or {}
+            loaded = _yaml_load(text)
         except yaml.YAMLError as e:
             raise ValueError(f"config file {str(p)!r} is not valid YAML: {_yaml_error_line(e)}") from None
+        if loaded is None:  # (a file left unsaved trained the default model on the default corpus without a word)
+            _note_empty(p)
+        data = {} if loaded is None else loaded
         if not isinstance(data, dict):
-            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level, `key: value` lines "
+                             f"(`steps: 1000`); it holds {_yaml_kind(data)}")
         data = _without_anchor_keys(data, text, str(p))
         if _is_a_runs_config(p):
             defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}

@@ -98,8 +98,8 @@ from .setup import RunData, Start, locate_start, prepare_run_data, removed_while
 from .signals import StopSignals
 from .status import refuse_a_folder_of_runs
 from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
-from .summary import (RunFacts, short_validation, startup_summary, unused_pipeline_options, unused_stream_option,
-                      warmup_overrun)
+from .summary import (RunFacts, oversized_batch, short_validation, startup_summary, unused_pipeline_options,
+                      unused_stream_option, warmup_overrun)
 
 T = TypeVar("T")
 
@@ -457,7 +457,8 @@ class Trainer:
             return  # (nothing to train: the settings of steps it will not take - a warm-up as long as the run - are moot)
         changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
         for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config),
-                        unused_pipeline_options(self.config), short_validation(self.config, len(data.tokens.val))):
+                        unused_pipeline_options(self.config), oversized_batch(self.config, len(data.tokens.train)),
+                        short_validation(self.config, len(data.tokens.val))):
             if message is not None:
                 warn_user(message)
 

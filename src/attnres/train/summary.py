@@ -58,6 +58,23 @@ def short_validation(config: TrainConfig, val_tokens: int) -> str | None:
             f"more{remedy}")
 
 
+def oversized_batch(config: TrainConfig, train_tokens: int) -> str | None:
+    """In words, that one step draws more windows of ``seq_len`` tokens (``batch_size x
+    grad_accum``) than the training split holds: the sampler then repeats windows within the
+    step (the next epoch's order), so the step costs more and sees no more text; ``None``
+    where a step fits in the split."""
+    per_step = config.batch_size * config.grad_accum
+    held = train_tokens // config.seq_len
+    if held < 1 or per_step <= held:  # (a split shorter than one window is refused by the sampler)
+        return None
+    accum = f" x grad_accum={config.grad_accum} = {per_step:,}" if config.grad_accum > 1 else ""
+    return (f"batch_size={config.batch_size}{accum} training windows of seq_len={config.seq_len} tokens "
+            f"a step, and the training split ({train_tokens:,} tokens) holds {held:,}: every step trains on each window "
+            f"about {per_step / held:.3g} times, at that cost and with no more text; lower batch_size to at most "
+            f"{held // config.grad_accum if held >= config.grad_accum else held:,}"
+            f"{' (and grad_accum to 1)' if held < config.grad_accum else ''}, or give more text")
+
+
 #: The autocast rounding options of ``ModelConfig.residual``, and what each does under autocast.
 _AUTOCAST_OPTIONS = {"autocast_stream": "stores the residual stream in the autocast dtype",
                      "autocast_norm_output": "rounds the sublayers' norm outputs to the autocast dtype",
