@@ -1186,6 +1186,26 @@ def test_the_checkpoint_is_the_first_argument_or_checkpoint(run_dir, tmp_path, c
     assert "two checkpoints given" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["generate", "export", "analyze", "eval"])
+def test_a_checkpoint_that_does_not_exist_is_named_as_given(run_dir, tmp_path, capsys, monkeypatch, command):
+    """``attnres eval ./rnu`` said "'rnu' does not exist", naming no argument: the error names
+    CHECKPOINT or --checkpoint, as given, with the nearest name there, before the command runs."""
+    from attnres import cli
+
+    seen = []
+    monkeypatch.setitem(cli.COMMANDS, command, cli.Command(cli.COMMANDS[command].add_parser,
+                                                           lambda args, parser: seen.append(args) or 0))
+    rest = {"generate": ["--prompt", "the"], "export": ["--out", str(tmp_path / "hf")]}.get(command, [])
+    typo = run_dir.parent / (run_dir.name[:-2] + run_dir.name[-1] + run_dir.name[-2])  # the last two letters swapped
+    for given, name in (([str(typo)], "CHECKPOINT"), (["--checkpoint", str(typo)], "--checkpoint")):
+        with pytest.raises(SystemExit):
+            cli_main([command, *given, *rest])
+        err = capsys.readouterr().err
+        assert f"attnres {command}: error: {name} {str(typo)!r} does not exist (did you mean {run_dir.name!r}?)" \
+            in err, err
+    assert not seen
+
+
 @pytest.mark.parametrize("command, transformers", [("generate", True), ("eval", True), ("analyze", True),
                                                    ("export", False)])
 def test_the_checkpoint_s_help_names_the_transformers_directories_a_command_reads(command, transformers, capsys):

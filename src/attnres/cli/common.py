@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from ..hub import is_hub_id
 from ..shell_words import launched, shell_path
 from ..user_warning import at_the_raise_site
 from ..validation import did_you_mean, did_you_mean_each
@@ -155,7 +156,7 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser, transformers: bool 
     what = f"{CHECKPOINT_HELP}, or {TRANSFORMERS_HELP}" if transformers else CHECKPOINT_HELP
     parser.add_argument("checkpoint_path", nargs="?", metavar="CHECKPOINT", help=f"{what} (or --checkpoint)")
     parser.add_argument("--checkpoint", help=f"{what} (or as the first argument)")
-    parser.set_defaults(checkpoint_parser=parser, checkpoint_takes=(
+    parser.set_defaults(checkpoint_parser=parser, checkpoint_transformers=transformers, checkpoint_takes=(
         "a run or checkpoint directory, a transformers directory or a Hub id" if transformers
         else "a run or checkpoint directory"))
 
@@ -178,7 +179,14 @@ def resolve_checkpoint(args: argparse.Namespace) -> None:
     if len(set(given)) > 1:
         parser.error(f"two checkpoints given: {given[0]!r} and --checkpoint {given[1]!r}; give one")
     args.checkpoint = given[0]
-    del args.checkpoint_path, args.checkpoint_parser, args.checkpoint_takes
+    if not Path(args.checkpoint).exists() and not (args.checkpoint_transformers and is_hub_id(args.checkpoint)):
+        from ..checkpoint.locate import no_checkpoint_at
+
+        # (named as given, before the command loads anything: the loaders' own message names
+        # the path only, as a library function's argument)
+        parser.error(f"{'CHECKPOINT' if args.checkpoint_path is not None else '--checkpoint'} "
+                     f"{no_checkpoint_at(args.checkpoint)}")
+    del args.checkpoint_path, args.checkpoint_parser, args.checkpoint_takes, args.checkpoint_transformers
 
 
 #: The arguments whose empty value the command itself explains: free text (``--prompt ""``:
