@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 #: Wraps every importlib.metadata entry point that reads the installed distributions, so that
 #: the script can say whether anything did. torch is imported first: its own import reads
 #: versions (optree's) that are none of attnres's doing.
@@ -16,6 +18,8 @@ _COUNT_METADATA_READS = """
 import importlib.metadata as metadata
 import json
 import sys
+
+import pytest
 
 import torch
 
@@ -105,3 +109,24 @@ print(json.dumps({{"light": light, "heavy": {_loaded(heavy)}, "names": names}}))
     assert result["light"] == [] and result["heavy"] == sorted(heavy)
     assert len(result["names"]) == 26 and result["names"]["PipelineRunner"] == "attnres.distributed.pipeline"
     assert all(module.startswith("attnres.distributed.") for module in result["names"].values()), result["names"]
+
+
+def test_the_trainer_imports_no_pipelining_dtensor_or_dynamo():
+    """``attnres.train`` imported pipeline parallelism's and DTensor's modules (and TorchDynamo
+    with them: 1.7 CPU s of 1.9) for every command and rank that imports it - ``attnres
+    status``, a config error's answer, ``attnres compare --report-only``: they come where a run
+    builds pipeline stages or shards (DTensor is checked for without importing it), or where
+    torch's optimiser imports TorchDynamo itself."""
+    heavy = ("torch.distributed.pipelining", "torch.distributed.tensor", "torch._dynamo")
+    result = _run(f"""
+import attnres.cli, attnres.train, attnres.train.loop, attnres.train.status, attnres.distributed.mesh_model
+import torch
+from attnres.distributed.data_parallel import full_tensor
+from attnres.distributed.grads import global_grad_norm
+p = torch.nn.Parameter(torch.ones(3))
+p.grad = torch.full((3,), 2.0)
+norm = float(global_grad_norm([p]))
+same = full_tensor(p.grad) is p.grad
+print(json.dumps({{"loaded": {_loaded(heavy)}, "norm": norm, "same": same}}))
+""")
+    assert result == {"loaded": [], "norm": pytest.approx(12 ** 0.5), "same": True}

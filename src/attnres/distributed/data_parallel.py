@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .dtensor import is_dtensor
 
 __all__ = ["apply_fsdp", "mixed_precision_policy", "reshard", "shard_optimizer_state", "full_tensor"]
 
@@ -63,7 +64,7 @@ def reshard(modules: Iterable[nn.Module]) -> None:
 
 def full_tensor(t: Tensor) -> Tensor:
     """The whole tensor behind a DTensor (a collective: every rank must call it), or ``t``."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
@@ -76,8 +77,14 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) 
     for idx, entry in sd["state"].items():
         p = params[int(idx)]
         state[idx] = {
-            k: (distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-                if isinstance(p, DTensor) and isinstance(v, Tensor) and v.shape == p.shape else v)
+            k: _shard_like(v, p) if is_dtensor(p) and isinstance(v, Tensor) and v.shape == p.shape else v
             for k, v in entry.items()
         }
     return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def _shard_like(full: Tensor, p: Tensor) -> Tensor:
+    """This rank's shard of ``full``, cut as the DTensor ``p`` is."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from .dtensor import is_dtensor
 
 __all__ = ["global_grad_norm", "clip_grads_"]
 
@@ -36,7 +37,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], stage_ranks: int = 1) -> Te
         g = p.grad
         if g is None:
             continue
-        if isinstance(g, DTensor):
+        if is_dtensor(g):
             mesh = g.device_mesh
             copies = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
             copies *= stage_ranks // mesh.size()
@@ -64,7 +65,7 @@ def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: Ten
     factors: dict[tuple[torch.device, torch.dtype], Tensor] = {}
     for p in params:
         if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
             key = (g.device, g.dtype)
             if key not in factors:
                 factors[key] = coef.to(device=g.device, dtype=g.dtype)

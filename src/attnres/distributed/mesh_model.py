@@ -36,6 +36,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -43,11 +44,14 @@ from torch import Tensor, nn
 from ..models import AttnResLM, ModelConfig, build_model
 from ..models.trunk import checkpoint_options, sublayer_caller
 from .data_parallel import apply_fsdp, full_tensor, reshard
+from .dtensor import is_dtensor
 from .grads import clip_grads_, global_grad_norm
 from .materialize import build_on_meta
 from .parallel import ParallelConfig, ParallelLayout
-from .pipeline import PipelineConfig, PipelineRunner, stage_parameter_names
 from .tensor_parallel import apply_tensor_parallel, check_tp_shapes, reduce_grads, reduce_replicated_grads
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineRunner
 
 __all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config", "compile_blocks"]
 
@@ -272,6 +276,10 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
 def _pipeline_chunks(config: ModelConfig, parallel: ParallelConfig, layout: ParallelLayout,
                      device: torch.device) -> tuple[AttnResLM, PipelineRunner]:
     """The model on ``meta`` with this stage's parameters materialised, and its runner."""
+    # (torch.distributed.pipelining, and TorchDynamo with it, most of a second to import: a
+    # run without pipeline stages does not)
+    from .pipeline import PipelineConfig, PipelineRunner, stage_parameter_names
+
     build = build_on_meta(lambda: AttnResLM(config))
     model = build.module
     pcfg = PipelineConfig(n_ranks=layout.pp, virtual_stages=parallel.pp_virtual, schedule=parallel.pp_schedule,
@@ -289,13 +297,11 @@ def _shard(chunks: list[nn.Module], layout: ParallelLayout, param_dtype: torch.d
            compile: bool, pipelined: bool) -> tuple[list[str], list[str]]:
     """Tensor parallelism, regional compilation and FSDP2 on ``chunks``, in that order.
     Returns the names of the parameters tp left replicated and of those FSDP2 leaves alone."""
-    from torch.distributed.tensor import DTensor
-
     replicated: list[str] = []
     if layout.tp > 1:
         for chunk in chunks:
             apply_tensor_parallel(chunk, layout.submesh("tp"), _blocks(chunk))
-        replicated = [n for chunk in chunks for n, p in chunk.named_parameters() if not isinstance(p, DTensor)]
+        replicated = [n for chunk in chunks for n, p in chunk.named_parameters() if not is_dtensor(p)]
     if compile:
         compile_blocks(chunks)
     # The sequence-parallel norms' gains (tp-Replicate DTensors) stay out of FSDP2 under
@@ -303,7 +309,7 @@ def _shard(chunks: list[nn.Module], layout: ParallelLayout, param_dtype: torch.d
     # came out zero). They are small (d per norm); finish_grads sums them over tp and
     # averages them over dp.
     dp_manual = [n for chunk in chunks for n, p in chunk.named_parameters()
-                 if layout.dp > 1 and layout.tp > 1 and isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)]
+                 if layout.dp > 1 and layout.tp > 1 and is_dtensor(p) and all(pl.is_replicate() for pl in p.placements)]
     if layout.dp > 1:
         # With tp, the parameters are already DTensors on the tp dimension: FSDP2 shards them
         # further over dp (2-D, as torchtitan composes FSDP x TP).

@@ -29,14 +29,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+
+from .dtensor import is_dtensor
 
 __all__ = ["apply_tensor_parallel", "reduce_replicated_grads", "reduce_grads", "check_tp_shapes"]
 
@@ -53,6 +47,11 @@ def check_tp_shapes(config, tp: int) -> None:
 
 
 def _block_plan() -> dict:
+    # (DTensor's modules, here and below, are imported where a run shards over tp ranks: most
+    # of a second, which a run without tensor parallelism does not spend)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
     gather = dict(input_layouts=(Shard(1),) + (None,) * (_ATTN_ARGS - 1),
                   desired_input_layouts=(Replicate(),) + (None,) * (_ATTN_ARGS - 1))
     return {
@@ -73,6 +72,9 @@ def _block_plan() -> dict:
 def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) -> None:
     """Shard ``layers`` (transformer blocks) and, where ``root`` holds them, its
     ``embed_tokens``, ``norm`` and ``lm_head`` over the 1-D ``mesh``, in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
     tp = mesh.size()
     if hasattr(root, "defer_norm"):  # a whole model: its norms become sequence-parallel modules, which take tensors
         root.defer_norm = False
@@ -118,6 +120,8 @@ def sequence_shard(mesh, inputs_embeds: torch.Tensor) -> torch.Tensor:
     """This rank's shard of the sequence of ``inputs_embeds [B, T, d]`` (the same on every rank
     of the 1-D ``mesh``), as the sharded embedding gives it for ``input_ids``; its gradient
     comes back whole on every rank (an all-gather), as in one process."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     check_sequence_length("inputs_embeds", inputs_embeds.shape[1], mesh.size())
     whole = DTensor.from_local(inputs_embeds, mesh, [Replicate()], run_check=False)
     return whole.redistribute(mesh, [Shard(1)]).to_local()
@@ -134,7 +138,7 @@ def reduce_grads(grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: i
     shard), then divide by ``divisor`` (``> 1``: the mean over a group of that size)."""
     if not grads:
         return
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = [g.to_local() if is_dtensor(g) else g for g in grads]
     flat = torch.cat([t.reshape(-1) for t in local])
     dist.all_reduce(flat, group=group)
     if divisor > 1:
