@@ -33,13 +33,14 @@ def parser_options() -> tuple[set[str], dict[str, set[str]]]:
 
 def unknown_options(text: str, top: set[str], commands: dict[str, set[str]], root: Path = ROOT) -> list[str]:
     """``attnres [--top-option ...] COMMAND ... --option`` and ``python benchmarks/X.py ...
-    --option`` in ``text`` (on one line, up to a pipe, ``;`` or ``&&``) whose option the
-    command lacks: not in the subcommand's parser, or not written in the script's source."""
+    --option`` in ``text`` (on one line, lines continued with ``\\`` joined, up to a pipe,
+    ``;`` or ``&&``) whose option the command lacks: not in the subcommand's parser, or not
+    written in the script's source."""
     command_line = re.compile(r"\battnres((?:\s+--[\w-]+(?:[ =](?!-)[^\s`]+)?)*)\s+(" + "|".join(commands)
                               + r")\b([^`\n|;&]*)")
     script_line = re.compile(r"\bpython3?\s+((?:benchmarks|studies)/[\w/.-]+\.py)([^`\n|;&]*)")
     problems = []
-    for line in text.splitlines():
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():  # (a long command's options go on its next lines)
         for before, command, after in command_line.findall(line):
             problems += [f"attnres {o}" for o in OPTION.findall(before) if o not in top]
             problems += [f"attnres {command} {o}" for o in OPTION.findall(after) if o not in commands[command]]
@@ -60,9 +61,12 @@ def test_the_option_check_finds_an_option_its_command_lacks(tmp_path):
     top, commands = {"--import"}, {"train": {"--config"}, "generate": {"--seed"}}
     text = ("`attnres --import m train --config c.yaml --gone` then\n"
             "attnres --nope x generate --seed 1 | grep --count x\n"
-            "python benchmarks/b.py --out d --missing && attnres generate --seed 2\n")
+            "python benchmarks/b.py --out d --missing && attnres generate --seed 2\n"
+            "attnres train --config c.yaml \\\n    --lost x\n"
+            "python benchmarks/b.py \\\n  --out d --far\n")
     assert unknown_options(text, top, commands, tmp_path) == [
-        "attnres train --gone", "attnres --nope", "benchmarks/b.py --missing"]
+        "attnres train --gone", "attnres --nope", "benchmarks/b.py --missing", "attnres train --lost",
+        "benchmarks/b.py --far"]
 
 
 #: Keys a ``model`` section takes besides ``ModelConfig``'s fields (``train/config.py``'s
