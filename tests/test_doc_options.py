@@ -1,12 +1,14 @@
 """Every option and config key the README and docs/ name exists: ``attnres SUBCOMMAND
 --option`` in that subcommand's parser (``attnres --import X`` in the top one), ``python
-benchmarks/X.py --option`` in that script, and a config key (``model.residual.block_size``,
-``data.val_fraction=...``) among ``TrainConfig``'s fields, and ``make TARGET`` among the
-Makefile's targets. A renamed option, field or target left a doc telling users to type what
-argparse, the config or make refuses."""
+benchmarks/X.py --option`` in that script, a value among those the command lists (``generate
+--decode graph``, ``experiment scaling --preset cpu --variants block_s1``), a config key
+(``model.residual.block_size``, ``data.val_fraction=...``) among ``TrainConfig``'s fields, and
+``make TARGET`` among the Makefile's targets. A renamed option, value, field or target left a
+doc telling users to type what argparse, the config or make refuses."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -31,16 +33,28 @@ def parser_options() -> tuple[set[str], dict[str, set[str]]]:
     return options(parser), {name: options(command) for name, command in commands.items()}
 
 
+def attnres_line(commands) -> re.Pattern:
+    """``attnres [--top-option ...] COMMAND REST``, up to a pipe, ``;``, ``&`` or the code
+    span's end: the top options, the command and the rest as groups."""
+    return re.compile(r"\battnres((?:\s+--[\w-]+(?:[ =](?!-)[^\s`]+)?)*)\s+(" + "|".join(commands)
+                      + r")\b([^`\n|;&]*)")
+
+
+def joined(text: str) -> str:
+    """``text`` with the lines a trailing ``\\`` continues joined (a long command's options
+    go on its next lines)."""
+    return re.sub(r"\\\n\s*", " ", text)
+
+
 def unknown_options(text: str, top: set[str], commands: dict[str, set[str]], root: Path = ROOT) -> list[str]:
     """``attnres [--top-option ...] COMMAND ... --option`` and ``python benchmarks/X.py ...
     --option`` in ``text`` (on one line, lines continued with ``\\`` joined, up to a pipe,
     ``;`` or ``&&``) whose option the command lacks: not in the subcommand's parser, or not
     written in the script's source."""
-    command_line = re.compile(r"\battnres((?:\s+--[\w-]+(?:[ =](?!-)[^\s`]+)?)*)\s+(" + "|".join(commands)
-                              + r")\b([^`\n|;&]*)")
+    command_line = attnres_line(commands)
     script_line = re.compile(r"\bpython3?\s+((?:benchmarks|studies)/[\w/.-]+\.py)([^`\n|;&]*)")
     problems = []
-    for line in re.sub(r"\\\n\s*", " ", text).splitlines():  # (a long command's options go on its next lines)
+    for line in joined(text).splitlines():
         for before, command, after in command_line.findall(line):
             problems += [f"attnres {o}" for o in OPTION.findall(before) if o not in top]
             problems += [f"attnres {command} {o}" for o in OPTION.findall(after) if o not in commands[command]]
@@ -67,6 +81,90 @@ def test_the_option_check_finds_an_option_its_command_lacks(tmp_path):
     assert unknown_options(text, top, commands, tmp_path) == [
         "attnres train --gone", "attnres --nope", "benchmarks/b.py --missing", "attnres train --lost",
         "benchmarks/b.py --far"]
+
+
+def choices() -> dict[tuple[str, str], set[str]]:
+    """The values a subcommand's option or positional takes where its parser lists them
+    (``generate --decode``, ``experiment NAME``; a positional as ``""``)."""
+    return {(name, option): {str(c) for c in action.choices}
+            for name, command in build_parser().commands.items() for action in command._actions
+            if action.choices and not isinstance(action, argparse._SubParsersAction)
+            for option in (action.option_strings or [""])}
+
+
+def grid_values(command: str, name: str | None, preset: str | None) -> tuple[set[str], set[str]]:
+    """The presets of ``attnres compare`` / ``attnres experiment NAME``, and its grid's
+    variants at ``preset`` (or the command's default preset)."""
+    from attnres.cli.experiment import DEFAULT_PRESET
+    from attnres.experiments import PRESETS, get_experiment
+
+    name = "compare" if command == "compare" else name
+    if name not in PRESETS:
+        return set(), set()
+    preset = preset or DEFAULT_PRESET.get(name, "cpu")
+    variants = {v.name for v in get_experiment(name, preset).variants} if preset in PRESETS[name] else set()
+    return set(PRESETS[name]), variants
+
+
+#: A value a doc names that is no value of this version, for a reason the doc says.
+NOT_VALUES = {"attnres experiment no-free-lunch"}  # experiments.md: the study's grid when it lived in the package
+#: A placeholder of a value: ``NAME``, ``{a,b}``, ``<dir>``, ``...``, and ``step|tokens`` (up
+#: to its ``|``, a table cell's ``step\|tokens`` up to its ``\``).
+PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9_]*|.*[{}<>\\].*|.*\.\.\..*")
+
+
+def unknown_values(text: str, commands: set[str], listed: dict[tuple[str, str], set[str]],
+                   grids=grid_values) -> list[str]:
+    """The values ``attnres COMMAND ...`` lines of ``text`` give where the command lists the
+    ones it takes - an option's or a positional's choices, the grid and ``--preset`` of
+    ``compare`` and ``experiment``, and the variants ``--variants`` names - that are not
+    among them (placeholders, ``NAME`` or ``{a,b}``, are not values)."""
+    problems = []
+    for _, command, after in attnres_line(commands).findall(joined(text)):
+        words = [w.strip("\"'[]") for part in after.split()  # (--option=value as two words; [--option value])
+                 for w in (part.split("=", 1) if part.startswith("--") else [part])]
+        given = lambda option: words[words.index(option) + 1] if option in words[:-1] else None  # noqa: E731
+        values = []
+        if words and (command, "") in listed and not words[0].startswith("-"):
+            values.append(("", words[0], listed[command, ""]))
+        values += [(option, given(option), allowed) for (c, option), allowed in listed.items()
+                   if c == command and option and given(option) is not None]
+        if command in ("compare", "experiment"):
+            name = words[0] if command == "experiment" and words else None
+            presets, variants = grids(command, name, given("--preset"))
+            if presets and given("--preset") is not None:
+                values.append(("--preset", given("--preset"), presets))
+            if variants and "--variants" in words:
+                for word in words[words.index("--variants") + 1:]:
+                    if word.startswith("-") or "=" in word:
+                        break
+                    values.append(("--variants", word, variants))
+        for option, value, allowed in values:
+            shown = f"attnres {command}" + (f" {option}" if option else "") + f" {value}"
+            if value not in allowed and not PLACEHOLDER.fullmatch(value) and shown not in NOT_VALUES:
+                problems.append(shown)
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_value_a_doc_gives_a_command_is_one_it_takes(doc):
+    assert unknown_values(doc.read_text(), set(build_parser().commands), choices()) == []
+
+
+def test_the_value_check_finds_a_value_its_command_refuses():
+    listed = {("generate", "--decode"): {"auto", "graph"}, ("experiment", ""): {"scaling", "compare"}}
+    grids = lambda command, name, preset: ({"tiny", "cpu"}, {"block_s1", "full_s1"})  # noqa: E731
+    text = ("`attnres generate --decode graph`, `attnres generate --decode=cuda-graph`, "
+            "`attnres generate --decode {auto,graph}`, `attnres experiment NAME --preset cpu`, "
+            "`attnres generate [--decode graf]`\n"
+            "attnres experiment scalling --preset small --out d \\\n  --variants block_s1 blok_s1 --seeds 0 &\n"
+            "attnres compare --preset long --variants full_s1 steps=5 oops\n")
+    assert unknown_values(text, {"generate", "experiment", "compare"}, listed, grids) == [
+        "attnres generate --decode cuda-graph", "attnres generate --decode graf", "attnres experiment scalling",
+        "attnres experiment --preset small", "attnres experiment --variants blok_s1", "attnres compare --preset long"]
+    assert choices()[("generate", "--decode")] >= {"auto", "graph"} and "scaling" in choices()[("experiment", "")]
+    assert grid_values("compare", None, "long")[0] == {"tiny", "demo", "long"}
+    assert {"block_s4", "full_s1"} <= grid_values("experiment", "scaling", None)[1]
 
 
 #: Keys a ``model`` section takes besides ``ModelConfig``'s fields (``train/config.py``'s
