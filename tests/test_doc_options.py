@@ -231,3 +231,49 @@ def test_the_make_check_finds_a_target_the_makefile_lacks():
     makefile = "test: venv\n\tpytest\nbench-serving:\n\tpython b.py\n"
     text = "`make test`, to make it run; `make gone`\n```bash\nmake bench-serving && make lost\n```\n"
     assert unknown_make_targets(text, makefile) == ["gone", "lost"]
+
+
+def unknown_make_variables(text: str, makefile: str) -> list[str]:
+    """``make TARGET VAR=value`` in the code spans and ``bash`` blocks of ``text`` whose
+    variable the Makefile does not set (make would take it and change nothing)."""
+    variables = set(re.findall(r"^([A-Z][A-Z0-9_]*)\s*[?:]?=", makefile, re.M))
+    code = [*CODE_SPAN.findall(FENCE.sub("", text)),
+            *(block for block in FENCE.findall(text) if block.startswith("```bash"))]
+    return [variable for span in code for command in re.findall(r"(?<![\w-])make [a-z][\w-]*((?: [A-Z]\w*=\S*)+)", span)
+            for variable in re.findall(r" ([A-Z]\w*)=", command) if variable not in variables]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_make_variable_a_doc_sets_is_the_makefile_s(doc):
+    assert unknown_make_variables(doc.read_text(), (ROOT / "Makefile").read_text()) == []
+
+
+def test_the_make_variable_check_finds_one_the_makefile_does_not_set():
+    makefile = "PYTEST_ARGS ?=\nTORCH_SPEC := torch\nARGS = \ntest: venv\n\tpytest $(PYTEST_ARGS)\n"
+    text = ("`make test PYTEST_ARGS=-x`, `make test PYTEST_ARG=-x`\n"
+            "```bash\nmake demo ARGS=\"steps=5\" TORCH=2.13\n```\n")
+    assert unknown_make_variables(text, makefile) == ["PYTEST_ARG", "TORCH"]
+
+
+def unknown_environment_variables(text: str, sources: str) -> list[str]:
+    """The ``ATTNRES_*`` environment variables ``text`` names that ``sources`` (the package's,
+    the tests', the benchmarks' and the Makefile's text) never reads or sets."""
+    return sorted({name for name in re.findall(r"\bATTNRES_[A-Z0-9_]+\b", text)
+                   if not re.search(rf"[\"']{name}[\"']|\b{name}=|\$\(?{name}\b", sources)})
+
+
+def attnres_sources() -> str:
+    """The text of every file that may read or set an ``ATTNRES_*`` variable."""
+    files = [p for folder in ("src", "tests", "benchmarks") for p in (ROOT / folder).rglob("*.py")]
+    return "\n".join([p.read_text() for p in files] + [(ROOT / "Makefile").read_text()])
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_attnres_environment_variable_a_doc_names_is_read(doc):
+    assert unknown_environment_variables(doc.read_text(), attnres_sources()) == []
+
+
+def test_the_environment_check_finds_a_variable_nothing_reads():
+    sources = 'os.environ.get("ATTNRES_CPU_KERNEL")\n\tATTNRES_HYPOTHESIS=explore pytest\n'
+    text = "`ATTNRES_CPU_KERNEL=0`, `ATTNRES_HYPOTHESIS=explore`, `ATTNRES_NO_KERNEL=1`, $ATTNRES_GONE"
+    assert unknown_environment_variables(text, sources) == ["ATTNRES_GONE", "ATTNRES_NO_KERNEL"]
