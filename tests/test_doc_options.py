@@ -2,13 +2,17 @@
 --option`` in that subcommand's parser (``attnres --import X`` in the top one), ``python
 benchmarks/X.py --option`` in that script, a value among those the command lists (``generate
 --decode graph``, ``experiment scaling --preset cpu --variants block_s1``), a config key
-(``model.residual.block_size``, ``data.val_fraction=...``) among ``TrainConfig``'s fields, and
-``make TARGET`` among the Makefile's targets. A renamed option, value, field or target left a
-doc telling users to type what argparse, the config or make refuses."""
+(``model.residual.block_size``, ``data.val_fraction=...``) among ``TrainConfig``'s fields,
+``make TARGET VAR=...`` among the Makefile's targets and variables, an ``ATTNRES_*`` variable
+among those the code reads, and a keyword a doc passes one of the package's functions
+(``prefill(..., chunk_size=256)``) among its parameters. A renamed option, value, field,
+target or keyword left a doc telling users to type what argparse, the config, make or Python
+refuses."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 from pathlib import Path
 
@@ -277,3 +281,77 @@ def test_the_environment_check_finds_a_variable_nothing_reads():
     sources = 'os.environ.get("ATTNRES_CPU_KERNEL")\n\tATTNRES_HYPOTHESIS=explore pytest\n'
     text = "`ATTNRES_CPU_KERNEL=0`, `ATTNRES_HYPOTHESIS=explore`, `ATTNRES_NO_KERNEL=1`, $ATTNRES_GONE"
     assert unknown_environment_variables(text, sources) == ["ATTNRES_GONE", "ATTNRES_NO_KERNEL"]
+
+
+#: Where a doc names the package's Python functions: a bare name (``prefill(...)``,
+#: ``ModelConfig.preset(...)``) is looked up in these, a dotted ``attnres.x.f(...)`` where it says.
+API_MODULES = ("attnres", "attnres.inference", "attnres.checkpoint", "attnres.train", "attnres.data",
+               "attnres.models", "attnres.nn", "attnres.analysis", "attnres.experiments", "attnres.hf")
+#: Calls a doc writes with a keyword our function of that name does not take, each for a reason:
+#: transformers' ``model.generate`` (hf.md, testing.md), the README's example of a keyword
+#: ``TrainConfig`` refuses, and kernels.md's notation for a fused norm's input.
+NOT_OUR_CALLS = {"generate(use_cache=True)", 'generate(..., cache_implementation="static")',
+                 "generate(inputs_embeds=...)", "TrainConfig(val_fraction=0.1)", "RMSNorm(h, readers=k)"}
+
+
+def api_function(name: str):
+    """The package's callable ``name`` names, or None (another library's, a method of a
+    variable: ``model.generate``)."""
+    import importlib
+
+    if name.startswith("attnres."):  # the longest module the name starts with, then its attributes
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attribute in parts[i:]:
+                found = getattr(found, attribute, None)
+            return found if callable(found) else None
+        return None
+    for module in API_MODULES:
+        found = importlib.import_module(module)
+        for attribute in name.split("."):
+            found = getattr(found, attribute, None)
+        if callable(found):
+            return found
+    return None
+
+
+def unknown_keywords(text: str, resolve=api_function) -> list[str]:
+    """``name(..., keyword=...)`` in the code spans of ``text`` whose function (the package's,
+    by ``resolve``) takes no such keyword (nor ``**kwargs``)."""
+    problems = []
+    for span in CODE_SPAN.findall(FENCE.sub("", text).replace("\n", " ")):
+        for name, arguments in re.findall(r"(?<![\w.])((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\(([^()]*)\)", span):
+            function = resolve(name)
+            if function is None or f"{name.rsplit('.', 1)[-1]}({arguments})" in NOT_OUR_CALLS:
+                continue
+            try:
+                parameters = inspect.signature(function).parameters
+            except (TypeError, ValueError):  # (a builtin without one)
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+                continue
+            keywords = re.findall(r"(?:^|,)\s*([A-Za-z_]\w*)\s*=(?!=)", arguments)
+            problems += [f"{name}({keyword}=)" for keyword in keywords if keyword not in parameters]
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_keyword_a_doc_passes_a_function_of_the_package_is_one_it_takes(doc):
+    assert unknown_keywords(doc.read_text()) == []
+
+
+def test_the_keyword_check_finds_a_keyword_the_function_lacks():
+    def load_run(path, device="cpu"):
+        pass
+
+    resolve = {"load_run": load_run, "attnres.inference.load_run": load_run}.get
+    text = ("`load_run(path, device=\"cpu\")`, `attnres.inference.load_run(path, devices=\"cpu\")`,\n"
+            "`load_run(path, map_location=None)`, `model.generate(ids, use_cache=True)`\n"
+            "```python\nload_run(p, nope=1)\n```\n")
+    assert unknown_keywords(text, resolve) == ["attnres.inference.load_run(devices=)", "load_run(map_location=)"]
+    assert api_function("prefill") is not None and api_function("ModelConfig.preset") is not None
+    assert api_function("attnres.checkpoint.load_checkpoint") is not None and api_function("model.generate") is None
