@@ -311,7 +311,10 @@ def api_function(name: str):
             return found if callable(found) else None
         return None
     for module in API_MODULES:
-        found = importlib.import_module(module)
+        try:
+            found = importlib.import_module(module)
+        except ImportError:  # (an extra not installed: transformers for attnres.hf)
+            continue
         for attribute in name.split("."):
             found = getattr(found, attribute, None)
         if callable(found):
