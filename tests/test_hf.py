@@ -104,7 +104,7 @@ def test_config_rejects_bad_fields_and_mirrors_model_config():
 @pytest.mark.parametrize("option, value, does", [
     ("head_dim", 8, "its heads are d_model // n_heads: 16"),
     ("rope_parameters", {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, "its RoPE is unscaled"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 4.0}, "its RoPE is unscaled"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 4.0}, "its RoPE is unscaled, of base rope_theta=10000.0: None"),
     ("hidden_act", "gelu", "its MLP is SwiGLU: 'silu'"),
     ("attention_bias", True, "no bias"),
     ("mlp_bias", True, "no bias"),

@@ -258,7 +258,7 @@ _ABSENT_OPTIONS = {
     "sliding_window": (lambda c, v: v is None, lambda c: "its attention is global: None"),
     "head_dim": (lambda c, v: v in (None, c.d_model // c.n_heads),
                  lambda c: f"its heads are d_model // n_heads: {c.d_model // c.n_heads}"),
-    "rope_scaling": (lambda c, v: v is None, lambda c: "its RoPE is unscaled, of base rope_theta: None"),
+    "rope_scaling": (lambda c, v: v is None, lambda c: f"its RoPE is unscaled, of base rope_theta={c.rope_theta}: None"),
     "rope_parameters": (lambda c, v: v is None or (v.get("rope_type", "default") == "default"
                                                    and v.get("rope_theta", c.rope_theta) == c.rope_theta),
                         lambda c: f"its RoPE is unscaled, of base rope_theta={c.rope_theta}: rope_type 'default'"),
