@@ -1024,6 +1024,41 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
     assert "needs the 'upcycle' extra" in missing_extra(["upcycle"], ModuleNotFoundError(name="gguf"))
 
 
+def _installed_with(monkeypatch, direct_url: dict) -> None:
+    """attnres's installed metadata reads as pip wrote it for an install from ``direct_url``."""
+    import importlib.metadata as metadata
+
+    class Installed:
+        def read_text(self, name):
+            return json.dumps(direct_url) if name == "direct_url.json" else None
+
+    real = metadata.distribution
+    monkeypatch.setattr(metadata, "distribution", lambda name: Installed() if name == "attnres" else real(name))
+
+
+def test_an_install_from_the_sdist_names_the_sdist_for_its_extras(tmp_path, monkeypatch):
+    """`pip install attnres-0.1.0.tar.gz` (the source archive) was an unknown origin: a
+    missing extra was to be installed "in a clone ... or beside its wheel", neither of which
+    the user has, and `attnres env` said nothing of where attnres came from. Now the sdist is
+    named, as a wheel is."""
+    from attnres import __version__, extras
+    from attnres.cli import env
+
+    sdist = tmp_path / "attnres-0.1.0.tar.gz"
+    sdist.write_bytes(b"")
+    _installed_with(monkeypatch, {"url": sdist.as_uri(), "archive_info": {"hashes": {"sha256": "0" * 64}}})
+    assert extras.installed_from() == ("sdist", sdist)
+    assert extras.install_command("train") == f'pip install "{sdist}[train]"'
+    assert f"attnres  {__version__} (installed from the sdist {sdist})" in env.render(env.facts())
+    wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    _installed_with(monkeypatch, {"url": wheel.as_uri(), "archive_info": {}})
+    assert extras.install_command("hf") == f'pip install "{wheel}[hf]"'
+    sdist.unlink()  # gone since: both forms, as before
+    _installed_with(monkeypatch, {"url": sdist.as_uri(), "archive_info": {}})
+    assert extras.installed_from() is None and "in a clone of attnres" in extras.install_command("hf")
+
+
 # -- the docs --------------------------------------------------------------------------------
 
 def test_the_readme_summary_of_the_committed_comparison_has_every_paired_gap():

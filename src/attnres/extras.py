@@ -1,10 +1,11 @@
 """How to install one of attnres's extras (``pyproject.toml``'s optional dependencies) into
 this environment, in the words of how attnres itself was installed.
 
-attnres is installed from a clone (``pip install -e .``) or from a wheel; no package index
-serves it, so ``pip install "attnres[train]"`` would fail (or install another project of that
-name). The command names the clone or the wheel this installation came from, as pip recorded
-it (``direct_url.json``, PEP 610).
+attnres is installed from a clone (``pip install -e .``), a wheel or a source archive (an
+sdist, ``attnres-<version>.tar.gz``); no package index serves it, so ``pip install
+"attnres[train]"`` would fail (or install another project of that name). The command names the
+clone, the wheel or the sdist this installation came from, as pip recorded it
+(``direct_url.json``, PEP 610).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from urllib.parse import unquote, urlparse
 
 __all__ = ["install_command", "installed_from"]
 
+#: The endings of the source archives pip installs from (an sdist is a ``.tar.gz``).
+SDIST_SUFFIXES = (".tar.gz", ".zip")
+
 
 def installed_from() -> tuple[str, Path] | None:
-    """``("clone", directory)`` or ``("wheel", file)`` this installation came from, where
-    pip recorded it and it is still there; ``None`` otherwise."""
+    """``("clone", directory)``, ``("wheel", file)`` or ``("sdist", file)`` this installation
+    came from, where pip recorded it and it is still there; ``None`` otherwise."""
     from importlib import metadata
 
     try:
@@ -33,17 +37,24 @@ def installed_from() -> tuple[str, Path] | None:
         return "clone", path
     if path.suffix == ".whl" and path.is_file():
         return "wheel", path
+    if path.name.endswith(SDIST_SUFFIXES) and path.is_file():  # (installed from it, it read as "unknown")
+        return "sdist", path
     return None
 
 
 def install_command(extra: str) -> str:
     """The command that installs ``extra`` (``"train"``, ``"hf"``, ...) for this
-    installation: ``pip install -e "<clone>[extra]"`` or ``pip install "<wheel>[extra]"``;
-    where the origin is unknown, both forms, to run in a clone or beside the wheel."""
+    installation: ``pip install -e "<clone>[extra]"``, or ``pip install "<wheel>[extra]"`` (an
+    sdist's likewise); where the origin is unknown, both forms, to run in a clone or beside
+    the wheel."""
+    return _install(f"[{extra}]")
+
+
+def _install(extras: str) -> str:
     origin = installed_from()
     if origin is None:
-        return (f'pip install -e ".[{extra}]" in a clone of attnres (or pip install "attnres-<version>-py3-none-any.whl'
-                f'[{extra}]" beside its wheel)')
+        return (f'pip install -e ".{extras}" in a clone of attnres (or pip install "attnres-<version>-py3-none-any.whl'
+                f'{extras}" beside its wheel)')
     kind, path = origin
     shown = "." if path == Path.cwd() else str(path)
-    return f'pip install -e "{shown}[{extra}]"' if kind == "clone" else f'pip install "{shown}[{extra}]"'
+    return f'pip install -e "{shown}{extras}"' if kind == "clone" else f'pip install "{shown}{extras}"'
