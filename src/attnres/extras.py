@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-__all__ = ["install_command", "installed_from"]
+__all__ = ["install_command", "installed_from", "reinstall_command"]
 
 #: The endings of the source archives pip installs from (an sdist is a ``.tar.gz``).
 SDIST_SUFFIXES = (".tar.gz", ".zip")
@@ -48,6 +48,13 @@ def install_command(extra: str) -> str:
     sdist's likewise); where the origin is unknown, both forms, to run in a clone or beside
     the wheel."""
     return _install(f"[{extra}]")
+
+
+def reinstall_command() -> str:
+    """The command that installs attnres again as this installation was installed (after
+    ``pip uninstall attnres``): from its clone, wheel or sdist, never ``pip install attnres``,
+    which no index serves."""
+    return _install("")
 
 
 def _install(extras: str) -> str:
