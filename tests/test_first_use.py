@@ -1024,6 +1024,32 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
     assert "needs the 'upcycle' extra" in missing_extra(["upcycle"], ModuleNotFoundError(name="gguf"))
 
 
+def test_a_checkpoint_command_of_a_base_install_names_its_extra(tmp_path):
+    """`attnres generate --checkpoint RUN` where RUN is not there, without the train extra,
+    ended in a traceback (No module named 'safetensors'): the check that names a missing
+    checkpoint imports attnres.checkpoint, and ran before the command's missing-extra handling.
+    Now it says which extra to install, in one line (what tests/test_install.py checks in a
+    real base install, slow). safetensors is made unimportable in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "class NoSafetensors:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name.partition('.')[0] == 'safetensors':\n"
+              "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+              "sys.meta_path.insert(0, NoSafetensors())\n"
+              "from attnres.cli import main\n"
+              "sys.exit(main(['generate', '--checkpoint', sys.argv[1], '--prompt', 'hi']))\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("attnres generate: error: this needs the 'train' extra: ") and "'safetensors'" in line
+
+
 def _installed_with(monkeypatch, direct_url: dict) -> None:
     """attnres's installed metadata reads as pip wrote it for an install from ``direct_url``."""
     import importlib.metadata as metadata

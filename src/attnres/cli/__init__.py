@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         refuse_a_multi_rank_launch(args.command, ONE_PROCESS_COMMANDS[args.command])
     refuse_empty_values(parser.commands[args.command], args)
     expand_home(args)
-    resolve_checkpoint(args)
     try:
+        # (inside: naming a checkpoint that is not there imports attnres.checkpoint, and with it
+        # safetensors, which a base install lacks - the train extra's line, not a traceback)
+        resolve_checkpoint(args)
         return command.run(args, parser)
     except KeyboardInterrupt as e:  # Ctrl-C (or a SIGTERM) outside a training loop's own handling: one line
         print(f"attnres {args.command}: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}",
