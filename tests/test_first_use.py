@@ -1024,6 +1024,18 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
     assert "needs the 'upcycle' extra" in missing_extra(["upcycle"], ModuleNotFoundError(name="gguf"))
 
 
+def test_every_command_s_missing_extra_line_names_the_command():
+    """`attnres status` of a base install said "attnres: error: this needs the 'train' extra",
+    naming no command, as every other command's line does: status was missing from the table
+    of each command's extra. Every command but env (which needs none) is in it."""
+    from attnres.cli import build_parser, missing_extra
+    from attnres.cli.common import COMMAND_EXTRAS
+
+    assert set(COMMAND_EXTRAS) == set(build_parser().commands) - {"env"}
+    assert missing_extra(["status"], ModuleNotFoundError(name="safetensors")).startswith(
+        "attnres status: error: this needs the 'train' extra: ")
+
+
 def test_a_checkpoint_command_of_a_base_install_names_its_extra(tmp_path):
     """`attnres generate --checkpoint RUN` where RUN is not there, without the train extra,
     ended in a traceback (No module named 'safetensors'): the check that names a missing

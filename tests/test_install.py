@@ -53,6 +53,7 @@ COMMANDS = {  # command line -> the extra it must name
     "train --print-config": "train",
     "train steps=1": "train",
     "generate --checkpoint {run} --prompt hi": "train",
+    "status {tmp}": "train",
     "compare --preset tiny --out {tmp}/cmp": "experiments",
     "experiment ablation --preset tiny --out {tmp}/ab": "experiments",
     "analyze --checkpoint {run}": "experiments",
