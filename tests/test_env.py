@@ -64,6 +64,22 @@ def test_env_reads_the_extras_of_the_checkout_it_runs_from(monkeypatch, tmp_path
     assert "  (attnres is not installed as a package here: no extras to read)" in env.render(env.facts())
 
 
+def test_env_of_a_base_install_without_packaging_says_why_it_reads_no_extras(monkeypatch):
+    """A base install (the wheel and torch, which brings no `packaging`) was reported as
+    "attnres is not installed as a package here": the extras went unread for want of
+    `packaging`, and the line blamed the install - where the user ran `attnres env` to see
+    which extras are missing. It says what is missing instead (JSON: "extras": null)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "packaging.requirements", None)  # (import raises ImportError)
+    found = env.facts()
+    assert found["extras"] is None and json.loads(json.dumps(found))["extras"] is None
+    text = env.render(found)
+    assert "\nextras\n  (not read: reading the extras' requirements needs the 'packaging' module: pip install " \
+           "packaging)\n" in text
+    assert "not installed as a package" not in text
+
+
 def test_env_says_why_the_fast_kernels_do_not_run(monkeypatch, capsys):
     monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
     assert env._cpu_kernel() == "PyTorch (the C kernel is switched off: ATTNRES_CPU_KERNEL=0)"

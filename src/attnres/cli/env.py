@@ -132,16 +132,16 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _extras() -> dict[str, dict[str, str | None]]:
+def _extras() -> dict[str, dict[str, str | None]] | None:
     """Per extra of attnres: each of its packages' installed version (``None``: missing);
     extras that only name other extras are left out. The extras are those of the checkout
     this process imports attnres from (its ``pyproject.toml``: run with ``PYTHONPATH=src``,
     nothing is installed, and the code run is the checkout's), else of the installed
-    metadata."""
+    metadata. ``None`` where ``packaging``, which reads the requirements, is not installed."""
     try:
         from packaging.requirements import Requirement
-    except ImportError:  # (packaging comes with pip's and most packages' environments)
-        return {}
+    except ImportError:  # (most environments have it, but not a base install: torch brings none)
+        return None
     declared = _checkout_extras(_checkout_root())
     extras: dict[str, dict[str, str | None]] = {}
     for extra, lines in (_installed_extras() if declared is None else declared).items():
@@ -218,12 +218,15 @@ def render(found: dict[str, Any]) -> str:
         *(f"  {name:<6} {what}" for name, what in found["depth_attention"].items()),
         "extras",
     ]
-    for extra, packages in found["extras"].items():
+    if found["extras"] is None:  # (it read as "not installed as a package": the base install it is)
+        lines.append("  (not read: reading the extras' requirements needs the 'packaging' module: "
+                     "pip install packaging)")
+    for extra, packages in (found["extras"] or {}).items():
         missing = [name for name, version in packages.items() if version is None]
         shown = ", ".join(f"{name} {version}" for name, version in packages.items() if version is not None)
         state = "complete" if not missing else f"missing {', '.join(missing)}"
         lines.append(f"  {extra:<12} {state}" + (f": {shown}" if shown else ""))
-    if not found["extras"]:
+    if found["extras"] == {}:
         lines.append("  (attnres is not installed as a package here: no extras to read)")
     for name, version in found["also"].items():
         lines.append(f"also     {name} {version}")
