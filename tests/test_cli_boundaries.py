@@ -1054,6 +1054,7 @@ def test_the_clash_warning_reinstalls_attnres_as_it_was_installed(tmp_path, monk
 
     wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
     monkeypatch.setattr(extras, "installed_from", lambda: ("wheel", wheel))
+    monkeypatch.setattr(extras, "pip_command", lambda: "pip")  # (an activated environment's)
     monkeypatch.setattr(name_clash, "clashing_distributions", lambda: {"fast-attnres": "2.1.0"})
     monkeypatch.setattr(name_clash, "_warned", set())
     with pytest.warns(UserWarning, match="also installs a top-level package named 'attnres'") as said:

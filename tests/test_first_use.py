@@ -1007,6 +1007,7 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
     from attnres.cli import missing_extra
 
     clone = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(extras, "pip_command", lambda: "pip")  # (an activated environment's)
     monkeypatch.setattr(extras, "installed_from", lambda: ("clone", clone))
     monkeypatch.chdir(clone)
     assert extras.install_command("hf") == 'pip install -e ".[hf]"'
@@ -1062,6 +1063,29 @@ def test_a_checkpoint_command_of_a_base_install_names_its_extra(tmp_path):
     assert line.startswith("attnres generate: error: this needs the 'train' extra: ") and "'safetensors'" in line
 
 
+def test_the_install_line_names_this_environment_s_pip(tmp_path, monkeypatch):
+    """`venv/bin/attnres` run without activating its environment (by its path, by pipx, from a
+    job script) printed `pip install "<wheel>[train]"`: the `pip` on PATH installs into another
+    environment, and the command failed again. Where PATH's pip is not this interpreter's, the
+    line names this interpreter's `python -m pip`."""
+    import shutil
+    import sys
+
+    from attnres import extras
+
+    wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
+    monkeypatch.setattr(extras, "installed_from", lambda: ("wheel", wheel))
+    venv = tmp_path / "my env" / "bin"
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/pip")  # another environment's
+    assert extras.install_command("train") == f"'{venv}/python' -m pip install \"{wheel}[train]\""
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no pip on PATH at all
+    assert extras.install_command("hf").startswith(f"'{venv}/python' -m pip install ")
+    monkeypatch.setattr(shutil, "which", lambda name: str(venv / name))  # activated
+    assert extras.install_command("hf") == f'pip install "{wheel}[hf]"'
+    assert extras.install_command("serve", beside="vllm==0.32.0") == f'pip install vllm==0.32.0 "{wheel}[serve]"'
+
+
 def _installed_with(monkeypatch, direct_url: dict) -> None:
     """attnres's installed metadata reads as pip wrote it for an install from ``direct_url``."""
     import importlib.metadata as metadata
@@ -1082,6 +1106,7 @@ def test_an_install_from_the_sdist_names_the_sdist_for_its_extras(tmp_path, monk
     from attnres import __version__, extras
     from attnres.cli import env
 
+    monkeypatch.setattr(extras, "pip_command", lambda: "pip")  # (an activated environment's)
     sdist = tmp_path / "attnres-0.1.0.tar.gz"
     sdist.write_bytes(b"")
     _installed_with(monkeypatch, {"url": sdist.as_uri(), "archive_info": {"hashes": {"sha256": "0" * 64}}})

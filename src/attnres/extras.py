@@ -11,10 +11,13 @@ clone, the wheel or the sdist this installation came from, as pip recorded it
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
+import sys
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-__all__ = ["install_command", "installed_from", "reinstall_command"]
+__all__ = ["install_command", "installed_from", "pip_command", "reinstall_command"]
 
 #: The endings of the source archives pip installs from (an sdist is a ``.tar.gz``).
 SDIST_SUFFIXES = (".tar.gz", ".zip")
@@ -58,8 +61,19 @@ def reinstall_command() -> str:
     return _install("")
 
 
+def pip_command() -> str:
+    """``pip`` where the ``pip`` on ``PATH`` is this environment's (an activated virtual
+    environment), else this interpreter's ``python -m pip``: the command run as
+    ``venv/bin/attnres`` without activating its environment (or by pipx, a job script) would
+    otherwise name a ``pip`` that installs into another environment."""
+    found = shutil.which("pip")
+    if found is not None and Path(found).parent == Path(sys.executable).parent:
+        return "pip"
+    return f"{shlex.quote(sys.executable)} -m pip"
+
+
 def _install(extras: str, beside: str = "") -> str:
-    pip = f"pip install {beside} " if beside else "pip install "
+    pip = f"{pip_command()} install " + (f"{beside} " if beside else "")
     origin = installed_from()
     if origin is None:
         return (f'{pip}-e ".{extras}" in a clone of attnres (or {pip}"attnres-<version>-py3-none-any.whl'

@@ -219,8 +219,10 @@ def render(found: dict[str, Any]) -> str:
         "extras",
     ]
     if found["extras"] is None:  # (it read as "not installed as a package": the base install it is)
+        from ..extras import pip_command
+
         lines.append("  (not read: reading the extras' requirements needs the 'packaging' module: "
-                     "pip install packaging)")
+                     f"{pip_command()} install packaging)")
     for extra, packages in (found["extras"] or {}).items():
         missing = [name for name, version in packages.items() if version is None]
         shown = ", ".join(f"{name} {version}" for name, version in packages.items() if version is not None)
