@@ -1086,6 +1086,34 @@ def test_the_install_line_names_this_environment_s_pip(tmp_path, monkeypatch):
     assert extras.install_command("serve", beside="vllm==0.32.0") == f'pip install vllm==0.32.0 "{wheel}[serve]"'
 
 
+def test_importing_the_transformers_wing_without_the_hf_extra_names_it():
+    """In Python, `import attnres.hf` (and `from attnres.upcycle import upcycle`, `from
+    attnres.hf.evaluate import perplexity`, the README's) without transformers said only "No
+    module named 'transformers'", from a module deep in the package; the command's line named
+    the extra, Python's did not. Now the error names the extra and the command that installs it
+    (its `name` still the module's, which the command's line reads)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['transformers'] = None  # (as if not installed: its import fails)\n"
+              "for module in ('attnres.hf', 'attnres.upcycle', 'attnres.hf.evaluate'):\n"
+              "    try:\n"
+              "        __import__(module)\n"
+              "    except ModuleNotFoundError as e:\n"
+              "        print(module, e.name, e, sep=' | ')\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 3, done.stdout
+    for module, line in zip(("attnres.hf", "attnres.upcycle", "attnres.hf.evaluate"), lines):
+        assert line.startswith(f"{module} | transformers | attnres.hf needs the 'hf' extra: "), line
+        assert line.endswith("[hf]\" (the module 'transformers' is not installed)") or \
+            "[hf]\" beside its wheel) (the module 'transformers' is not installed)" in line, line
+
+
 def _installed_with(monkeypatch, direct_url: dict) -> None:
     """attnres's installed metadata reads as pip wrote it for an install from ``direct_url``."""
     import importlib.metadata as metadata

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-__all__ = ["install_command", "installed_from", "pip_command", "reinstall_command"]
+__all__ = ["install_command", "installed_from", "pip_command", "reinstall_command", "require_extra"]
 
 #: The endings of the source archives pip installs from (an sdist is a ``.tar.gz``).
 SDIST_SUFFIXES = (".tar.gz", ".zip")
@@ -52,6 +52,18 @@ def install_command(extra: str, beside: str = "") -> str:
     the wheel. ``beside``: requirements installed with it (``"vllm==0.32.0"``), which pip
     then resolves together with the extra's."""
     return _install(f"[{extra}]", beside)
+
+
+def require_extra(extra: str, module: str, feature: str) -> None:
+    """Raise ``ModuleNotFoundError`` (its ``name`` the missing module, as an import's) naming
+    ``extra`` and the command that installs it where ``module`` is not importable: ``import
+    attnres.hf`` without transformers said "No module named 'transformers'" from deep inside
+    the package, and nothing of the extra that brings it."""
+    from importlib.util import find_spec
+
+    if find_spec(module) is None:
+        raise ModuleNotFoundError(f"{feature} needs the {extra!r} extra: {install_command(extra)} (the module "
+                                  f"{module!r} is not installed)", name=module)
 
 
 def reinstall_command() -> str:
