@@ -1114,6 +1114,27 @@ def test_importing_the_transformers_wing_without_the_hf_extra_names_it():
             "[hf]\" beside its wheel) (the module 'transformers' is not installed)" in line, line
 
 
+@pytest.mark.parametrize("missing, module, package", [("safetensors", "attnres.train", "attnres.checkpoint"),
+                                                      ("safetensors", "attnres.checkpoint", "attnres.checkpoint"),
+                                                      ("numpy", "attnres.data", "attnres.data")])
+def test_importing_the_training_side_without_the_train_extra_names_it(missing, module, package):
+    """A base install (torch alone) runs `import attnres` and AttnResLM; `from attnres.train
+    import train` (the README's notebook), `attnres.checkpoint` and `attnres.data` said only
+    "No module named 'safetensors'" ('numpy'). They name the train extra and its install line."""
+    import os
+    import subprocess
+    import sys
+
+    script = (f"import sys; sys.modules[{missing!r}] = None  # (as if not installed: its import fails)\n"
+              f"try:\n    import {module}\nexcept ModuleNotFoundError as e:\n    print(e.name, e, sep=' | ')\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{missing} | {package} ("), done.stdout
+    assert "needs the 'train' extra: " in done.stdout and f"(the module {missing!r} is not installed)" in done.stdout
+
+
 def _installed_with(monkeypatch, direct_url: dict) -> None:
     """attnres's installed metadata reads as pip wrote it for an install from ``direct_url``."""
     import importlib.metadata as metadata

@@ -22,13 +22,13 @@ from ..extras import require_extra
 
 require_extra("hf", "transformers", "attnres.hf")  # (before the modules below, which import it)
 
-from ..models.hf_registry import register_hf_hooks  # noqa: E402
-from .families import (RouterRecorder, build_hf_model, check_hf_config, family_of, layout_of,  # noqa: E402
-                       model_fields_from_directory, name_causal_lm, register_families)
-from .upcycle import upcycle  # noqa: E402
-from .configuration import AttnResConfig  # noqa: E402
-from .export import export_checkpoint, load_native_checkpoint, make_hf_tokenizer  # noqa: E402
-from .modeling import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel, HFCacheAdapter  # noqa: E402
+from ..models.hf_registry import register_hf_hooks
+from .families import (RouterRecorder, build_hf_model, check_hf_config, family_of, layout_of, model_fields_from_directory,
+                       name_causal_lm, register_families)
+from .upcycle import upcycle
+from .configuration import AttnResConfig
+from .export import export_checkpoint, load_native_checkpoint, make_hf_tokenizer
+from .modeling import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel, HFCacheAdapter
 
 
 def register() -> None:
