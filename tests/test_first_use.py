@@ -1007,6 +1007,7 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
     from attnres.cli import missing_extra
 
     clone = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(extras, "pip_command", lambda: "pip")  # (an activated environment's)
     monkeypatch.setattr(extras, "installed_from", lambda: ("clone", clone))
     monkeypatch.chdir(clone)
     assert extras.install_command("hf") == 'pip install -e ".[hf]"'
@@ -1022,6 +1023,152 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
         assert missing_extra([command], ModuleNotFoundError(name="transformers")).startswith(
             f"attnres {command}: error: this needs the 'hf' extra: ")
     assert "needs the 'upcycle' extra" in missing_extra(["upcycle"], ModuleNotFoundError(name="gguf"))
+
+
+def test_every_command_s_missing_extra_line_names_the_command():
+    """`attnres status` of a base install said "attnres: error: this needs the 'train' extra",
+    naming no command, as every other command's line does: status was missing from the table
+    of each command's extra. Every command but env (which needs none) is in it."""
+    from attnres.cli import build_parser, missing_extra
+    from attnres.cli.common import COMMAND_EXTRAS
+
+    assert set(COMMAND_EXTRAS) == set(build_parser().commands) - {"env"}
+    assert missing_extra(["status"], ModuleNotFoundError(name="safetensors")).startswith(
+        "attnres status: error: this needs the 'train' extra: ")
+
+
+def test_a_checkpoint_command_of_a_base_install_names_its_extra(tmp_path):
+    """`attnres generate --checkpoint RUN` where RUN is not there, without the train extra,
+    ended in a traceback (No module named 'safetensors'): the check that names a missing
+    checkpoint imports attnres.checkpoint, and ran before the command's missing-extra handling.
+    Now it says which extra to install, in one line (what tests/test_install.py checks in a
+    real base install, slow). safetensors is made unimportable in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "class NoSafetensors:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name.partition('.')[0] == 'safetensors':\n"
+              "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+              "sys.meta_path.insert(0, NoSafetensors())\n"
+              "from attnres.cli import main\n"
+              "sys.exit(main(['generate', '--checkpoint', sys.argv[1], '--prompt', 'hi']))\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("attnres generate: error: this needs the 'train' extra: ") and "'safetensors'" in line
+
+
+def test_the_install_line_names_this_environment_s_pip(tmp_path, monkeypatch):
+    """`venv/bin/attnres` run without activating its environment (by its path, by pipx, from a
+    job script) printed `pip install "<wheel>[train]"`: the `pip` on PATH installs into another
+    environment, and the command failed again. Where PATH's pip is not this interpreter's, the
+    line names this interpreter's `python -m pip`."""
+    import shutil
+    import sys
+
+    from attnres import extras
+
+    wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
+    monkeypatch.setattr(extras, "installed_from", lambda: ("wheel", wheel))
+    venv = tmp_path / "my env" / "bin"
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/pip")  # another environment's
+    assert extras.install_command("train") == f"'{venv}/python' -m pip install \"{wheel}[train]\""
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no pip on PATH at all
+    assert extras.install_command("hf").startswith(f"'{venv}/python' -m pip install ")
+    monkeypatch.setattr(shutil, "which", lambda name: str(venv / name))  # activated
+    assert extras.install_command("hf") == f'pip install "{wheel}[hf]"'
+    assert extras.install_command("serve", beside="vllm==0.32.0") == f'pip install vllm==0.32.0 "{wheel}[serve]"'
+
+
+def test_importing_the_transformers_wing_without_the_hf_extra_names_it():
+    """In Python, `import attnres.hf` (and `from attnres.upcycle import upcycle`, `from
+    attnres.hf.evaluate import perplexity`, the README's) without transformers said only "No
+    module named 'transformers'", from a module deep in the package; the command's line named
+    the extra, Python's did not. Now the error names the extra and the command that installs it
+    (its `name` still the module's, which the command's line reads)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['transformers'] = None  # (as if not installed: its import fails)\n"
+              "for module in ('attnres.hf', 'attnres.upcycle', 'attnres.hf.evaluate'):\n"
+              "    try:\n"
+              "        __import__(module)\n"
+              "    except ModuleNotFoundError as e:\n"
+              "        print(module, e.name, e, sep=' | ')\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 3, done.stdout
+    for module, line in zip(("attnres.hf", "attnres.upcycle", "attnres.hf.evaluate"), lines):
+        assert line.startswith(f"{module} | transformers | attnres.hf needs the 'hf' extra: "), line
+        assert line.endswith("[hf]\" (the module 'transformers' is not installed)") or \
+            "[hf]\" beside its wheel) (the module 'transformers' is not installed)" in line, line
+
+
+@pytest.mark.parametrize("missing, module, package", [("safetensors", "attnres.train", "attnres.checkpoint"),
+                                                      ("safetensors", "attnres.checkpoint", "attnres.checkpoint"),
+                                                      ("numpy", "attnres.data", "attnres.data")])
+def test_importing_the_training_side_without_the_train_extra_names_it(missing, module, package):
+    """A base install (torch alone) runs `import attnres` and AttnResLM; `from attnres.train
+    import train` (the README's notebook), `attnres.checkpoint` and `attnres.data` said only
+    "No module named 'safetensors'" ('numpy'). They name the train extra and its install line."""
+    import os
+    import subprocess
+    import sys
+
+    script = (f"import sys; sys.modules[{missing!r}] = None  # (as if not installed: its import fails)\n"
+              f"try:\n    import {module}\nexcept ModuleNotFoundError as e:\n    print(e.name, e, sep=' | ')\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{missing} | {package} ("), done.stdout
+    assert "needs the 'train' extra: " in done.stdout and f"(the module {missing!r} is not installed)" in done.stdout
+
+
+def _installed_with(monkeypatch, direct_url: dict) -> None:
+    """attnres's installed metadata reads as pip wrote it for an install from ``direct_url``."""
+    import importlib.metadata as metadata
+
+    class Installed:
+        def read_text(self, name):
+            return json.dumps(direct_url) if name == "direct_url.json" else None
+
+    real = metadata.distribution
+    monkeypatch.setattr(metadata, "distribution", lambda name: Installed() if name == "attnres" else real(name))
+
+
+def test_an_install_from_the_sdist_names_the_sdist_for_its_extras(tmp_path, monkeypatch):
+    """`pip install attnres-0.1.0.tar.gz` (the source archive) was an unknown origin: a
+    missing extra was to be installed "in a clone ... or beside its wheel", neither of which
+    the user has, and `attnres env` said nothing of where attnres came from. Now the sdist is
+    named, as a wheel is."""
+    from attnres import __version__, extras
+    from attnres.cli import env
+
+    monkeypatch.setattr(extras, "pip_command", lambda: "pip")  # (an activated environment's)
+    sdist = tmp_path / "attnres-0.1.0.tar.gz"
+    sdist.write_bytes(b"")
+    _installed_with(monkeypatch, {"url": sdist.as_uri(), "archive_info": {"hashes": {"sha256": "0" * 64}}})
+    assert extras.installed_from() == ("sdist", sdist)
+    assert extras.install_command("train") == f'pip install "{sdist}[train]"'
+    assert f"attnres  {__version__} (installed from the sdist {sdist})" in env.render(env.facts())
+    wheel = tmp_path / "attnres-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    _installed_with(monkeypatch, {"url": wheel.as_uri(), "archive_info": {}})
+    assert extras.install_command("hf") == f'pip install "{wheel}[hf]"'
+    sdist.unlink()  # gone since: both forms, as before
+    _installed_with(monkeypatch, {"url": sdist.as_uri(), "archive_info": {}})
+    assert extras.installed_from() is None and "in a clone of attnres" in extras.install_command("hf")
 
 
 # -- the docs --------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ COMMANDS = {  # command line -> the extra it must name
     "train --print-config": "train",
     "train steps=1": "train",
     "generate --checkpoint {run} --prompt hi": "train",
+    "status {tmp}": "train",
     "compare --preset tiny --out {tmp}/cmp": "experiments",
     "experiment ablation --preset tiny --out {tmp}/ab": "experiments",
     "analyze --checkpoint {run}": "experiments",
@@ -64,7 +65,8 @@ COMMANDS = {  # command line -> the extra it must name
 
 def test_every_command_of_a_base_install_names_its_extra(base_install, tmp_path):
     venv, wheel = base_install
-    script = venv / "bin" / "attnres"
+    script = venv / "bin" / "attnres"  # (run by its path, the environment not activated: its own pip is named)
+    pip = f"{venv / 'bin' / 'python'} -m pip"
     done = _run(script, "--version", cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip().startswith("attnres ") and not done.stderr, done.stderr
     for line, extra in COMMANDS.items():
@@ -72,10 +74,10 @@ def test_every_command_of_a_base_install_names_its_extra(base_install, tmp_path)
         assert done.returncode != 0, line
         assert "Traceback" not in done.stderr and "NumPy" not in done.stderr, (line, done.stderr)
         (last,) = done.stderr.strip().splitlines()
-        assert f'this needs the {extra!r} extra: pip install "{wheel}[{extra}]"' in last, (line, last)
+        assert f'this needs the {extra!r} extra: {pip} install "{wheel}[{extra}]"' in last, (line, last)
     done = _run(script, "train", "--help", cwd=tmp_path)  # the options, and how to get the config fields
     assert done.returncode == 0 and "--resume-from DIR" in done.stdout and not done.stderr, done.stderr
-    assert f'needs the \'train\' extra: pip install "{wheel}[train]"' in done.stdout, done.stdout
+    assert f'needs the \'train\' extra: {pip} install "{wheel}[train]"' in done.stdout, done.stdout
     python = venv / "bin" / "python"  # the library itself needs nothing beyond torch
     done = _run(python, "-c", "import attnres; m = attnres.AttnResLM(attnres.ModelConfig.preset('tiny')); print('ok')")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok") and not done.stderr, done.stderr

@@ -153,6 +153,12 @@ def test_without_matplotlib_the_extra_is_named(runs, tmp_path, monkeypatch, caps
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
     with pytest.raises(SystemExit, match=r"attnres plot: error: this needs the 'experiments' extra: .*matplotlib"):
         cli_main(["plot", str(runs), "--out", str(tmp_path / "c.png")])
+    # in Python too (it said "import of matplotlib halted", nothing of the extra; the README draws this way)
+    from attnres.experiments.curves import plot_curves, read_curves
+
+    with pytest.raises(ModuleNotFoundError, match=r"^plot_curves needs the 'experiments' extra: .*\[experiments\]") as e:
+        plot_curves({"run": read_curves(runs / "lr-1")})
+    assert e.value.name == "matplotlib"
 
 
 def test_the_command_offers_the_axes_the_figure_draws():

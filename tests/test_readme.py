@@ -205,6 +205,25 @@ def make_dry_run(*arguments: str) -> list[list[str]]:
     return [shlex.split(line) for line in printed.splitlines()]
 
 
+def test_the_readme_says_how_to_install_without_a_clone():
+    """The Quick start was a clone's (`make demo`) and every install line `pip install -e
+    ".[EXTRA]"`: a user given a wheel or an sdist read nothing on installing it. The Quick
+    start installs both by their file names, of this version, with extras pyproject.toml
+    declares, as every `pip install -e` line of the README names one."""
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11)
+
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"])
+    text = README.read_text()
+    quick_start = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    version = re.escape(project["version"])
+    for archive in (rf"attnres-{version}-py3-none-any\.whl", rf"attnres-{version}\.tar\.gz"):
+        named = re.findall(rf'"{archive}\[([\w,]+)\]"', quick_start)
+        assert named and all(set(e.split(",")) <= extras for e in named), (archive, named)
+    clone_lines = re.findall(r'pip install (?:[\w.=<>-]+ )*-e "\.\[([a-z,]+)\]"', text)  # (not the EXTRA placeholder)
+    assert clone_lines and all(set(e.split(",")) <= extras for e in clone_lines), clone_lines
+
+
 def test_make_demo_passes_args_on_as_the_readme_says():
     """``make demo`` took no overrides: a user who wanted ``steps=50`` retyped the command.
     ``ARGS`` is added to it, as the README's quick start shows (and to ``make train``'s)."""

@@ -126,7 +126,7 @@ def test_a_missing_package_or_a_bad_name_is_refused_before_any_work(tmp_path, co
     find_spec = importlib.util.find_spec
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
-    with pytest.raises(ValueError, match=r"wandb_project='p' needs the wandb package \(pip install .*\[wandb\]"):
+    with pytest.raises(ValueError, match=r"wandb_project='p' needs the wandb package \((\S+ -m )?pip install .*\[wandb\]"):
         train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="p")))
     with pytest.raises(ValueError, match=r"TrainConfig.wandb_project must be a W&B project name: .* got 'team/p'"):
         train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="team/p")))

@@ -11,6 +11,7 @@ command finds them from the installed distributions' metadata, every distributio
 from __future__ import annotations
 
 import importlib.metadata as metadata
+from collections.abc import Callable
 
 from .user_warning import warn_user
 
@@ -49,9 +50,11 @@ def clashing_distributions() -> dict[str, str]:
     return found
 
 
-def warn_about_clashes() -> None:
+def warn_about_clashes(reinstall: Callable[[], str]) -> None:
     """One ``UserWarning`` per clashing distribution (see :func:`clashing_distributions`),
-    each at most once per process."""
+    each at most once per process. ``reinstall()`` gives the command that installs attnres
+    again as it was installed (``attnres.extras.reinstall_command``: no package index serves
+    it), called only where there is a clash to warn of."""
     for name, version in clashing_distributions().items():
         if name in _warned:
             continue
@@ -59,5 +62,5 @@ def warn_about_clashes() -> None:
         warn_user(f"the installed distribution {name!r} ({version}) also installs a top-level package named "
                   "'attnres': which one `import attnres` gets depends on sys.path, and installed into one "
                   "environment one overwrites the other's files, so either may break. Keep them in separate "
-                  f"virtual environments (here: pip uninstall {name} attnres, then pip install attnres again)",
+                  f"virtual environments (here: pip uninstall {name} attnres, then {reinstall()})",
                   UserWarning)

@@ -26,6 +26,11 @@ from typing import Any
 
 from torch import nn
 
+from ..extras import require_extra
+
+# (before the modules below, which import it: else "No module named 'safetensors'", nothing of the extra)
+require_extra("train", "safetensors", "attnres.checkpoint (checkpoints: training, loading runs)")
+
 from .consolidated import load_checkpoint, read_optimizer_state, save_checkpoint, write_checkpoint
 from .locate import (
     Source,

@@ -120,6 +120,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     """``attnres``: parse the command line, warn about a name clash, run the command; a
     command that needs an extra that is not installed says which."""
+    from ..extras import reinstall_command
     from ..name_clash import warn_about_clashes
 
     # Show the package's own deprecations (Python hides DeprecationWarning outside __main__):
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # --version and --help end here, at once
     record_given_imports(args.imports)
-    warn_about_clashes()  # every distribution's file list: a fraction of a second
+    warn_about_clashes(reinstall_command)  # every distribution's file list: a fraction of a second
     command = COMMANDS[args.command]
     split = override_split_by_the_shell(getattr(parser.commands[args.command], "_given", [])) \
         if command.accepts_extra is not None else None
@@ -147,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         refuse_a_multi_rank_launch(args.command, ONE_PROCESS_COMMANDS[args.command])
     refuse_empty_values(parser.commands[args.command], args)
     expand_home(args)
-    resolve_checkpoint(args)
     try:
+        # (inside: naming a checkpoint that is not there imports attnres.checkpoint, and with it
+        # safetensors, which a base install lacks - the train extra's line, not a traceback)
+        resolve_checkpoint(args)
         return command.run(args, parser)
     except KeyboardInterrupt as e:  # Ctrl-C (or a SIGTERM) outside a training loop's own handling: one line
         print(f"attnres {args.command}: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}",

