@@ -252,7 +252,6 @@ def refusals(root: Path) -> dict[str, dict]:
     ``other_tokenizer`` - an export served with ``tokenizer=`` another model's tokenizer, one
     token more than the export's vocabulary;
     ``quantized`` - an export whose config.json declares a quantization;
-    ``lora_native`` - an export served with LoRA adapters enabled;
     ``classify_native`` / ``classify_upcycled`` - an export and an upcycled Llama served for
     sequence classification (vLLM's pooling runner, ``convert="classify"``)."""
     from transformers import PreTrainedTokenizerFast
@@ -299,7 +298,6 @@ def refusals(root: Path) -> dict[str, dict]:
                                                     "upcycled_no_residual", "llama_model_type", "quantized", "query_missing",
                                                     "upcycled_residual_missing", "extra_tensor")}
     out["quantized"]["engine"] = {"dtype": "bfloat16"}  # vLLM's fp8 takes no float32
-    out["lora_native"] = {"model": dirs["native"], "engine": {"enable_lora": True, "max_lora_rank": 8}}
     out["other_tokenizer"] = {"model": dirs["native"], "engine": {"tokenizer": str(root / "larger_tokenizer")}}
     for name in ("native", "llama"):  # vLLM's sequence-classification adapter: a head no checkpoint holds
         out[f"classify_{'upcycled' if name == 'llama' else name}"] = {"model": dirs[name], "engine": {"runner": "pooling", "convert": "classify"}}
@@ -313,7 +311,7 @@ LORA_RANK, LORA_ALPHA = 8, 16
 
 def save_lora_adapter(out: Path, base: Path, seed: int = 1) -> dict[str, torch.Tensor]:
     """A random LoRA adapter (PEFT's files: ``adapter_config.json``, ``adapter_model.safetensors``)
-    for the upcycled model in ``base``, large enough to change its greedy tokens; returns the
+    for the upcycled or exported model in ``base``, large enough to change its greedy tokens; returns the
     weight deltas ``alpha / r * B @ A`` by the base model's parameter names."""
     import json
 

@@ -102,12 +102,6 @@ def test_a_quantized_checkpoint(load_failures):
         in log, log[-3000:]
 
 
-def test_lora_on_an_export(load_failures):
-    log = refused(load_failures, "lora_native")
-    assert "config.json: LoRA adapters are not supported here: an attnres export (AttnResForCausalLM) does not " \
-           "declare LoRA support" in log, log[-3000:]
-
-
 @pytest.mark.parametrize("name", ["classify_native", "classify_upcycled"])
 def test_sequence_classification(load_failures, name):
     """vLLM's classify adapter (the classify and score tasks) adds a classification head
