@@ -325,19 +325,25 @@ def model_dirs(session_root) -> dict[str, Path]:
     return build_all(session_root / "models")
 
 
-#: LoRA: the upcycled model whose engine also serves a LoRA adapter (enable_lora), and its rank.
-LORA_MODEL = "llama"
+#: LoRA: the models whose engines also serve a LoRA adapter (enable_lora) - the upcycled Llama
+#: and an export (Block AttnRes, eager).
+LORA_MODELS = ("llama", "block2")
+LORA_MODEL = LORA_MODELS[0]  # (the upcycled Llama; EAGLE-3's target too)
 
 
 @pytest.fixture(scope="session")
-def lora_adapter(session_root, model_dirs) -> tuple[Path, list[list[int]]]:
-    """A random LoRA adapter of the upcycled Llama and HF ``generate``'s greedy tokens of the
-    model with the adapter merged into its weights (``W + alpha / r * B A``)."""
+def lora_adapter(session_root, model_dirs) -> dict[str, tuple[Path, list[list[int]]]]:
+    """Name -> a random LoRA adapter of each of :data:`LORA_MODELS` and the reference's greedy
+    tokens (``attnres generate`` / HF ``generate``) of the model with the adapter merged into its
+    weights (``W + alpha / r * B A``)."""
     from models import save_lora_adapter
 
-    directory = session_root / "lora"
-    deltas = save_lora_adapter(directory, model_dirs[LORA_MODEL])
-    return directory, _generate(model_dirs[LORA_MODEL], PROMPTS, MAX_TOKENS, deltas)[0]
+    out = {}
+    for name in LORA_MODELS:
+        directory = session_root / f"lora-{name}"
+        deltas = save_lora_adapter(directory, model_dirs[name])
+        out[name] = directory, _generate(model_dirs[name], PROMPTS, MAX_TOKENS, deltas)[0]
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -347,15 +353,15 @@ def served(session_root, model_dirs, jobs, load_failures, server_run, moe, specu
     after the load failures (quick), the server, the mixtures of experts, speculative decoding
     and half precision: each compiling model in a worker of its own, queued as soon as its references
     are made, then the eager ones one after the other in one worker (an import of torch and
-    vLLM per model spared). The upcycled Llama's engine also serves a LoRA adapter."""
+    vLLM per model spared). The engines of :data:`LORA_MODELS` also serve a LoRA adapter."""
     from models import LORA_RANK
 
     models = {}
     for name in sorted(MODEL_NAMES, key=lambda name: name not in COMPILED):
         models[name] = model = Served(name, model_dirs[name])
-        if name == LORA_MODEL:
+        if name in LORA_MODELS:
             model.engine_changes = dict(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
-            model.extra = {"lora": {"path": str(lora_adapter[0]), "prompts": PROMPTS}}
+            model.extra = {"lora": {"path": str(lora_adapter[name][0]), "prompts": PROMPTS}}
         if name in COMPILED:
             model.future = jobs.submit(run_worker, model.spec(), session_root / "engines" / name)
     _submit_in_turn(jobs, [m for m in models.values() if m.name not in COMPILED], session_root / "engines" / "eager")

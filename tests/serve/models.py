@@ -249,8 +249,9 @@ def refusals(root: Path) -> dict[str, dict]:
     vLLM would serve at zero queries);
     ``extra_tensor`` - an export with a tensor the model has no place for;
     ``llama_model_type`` - an upcycled Llama whose model_type says "llama";
+    ``other_tokenizer`` - an export served with ``tokenizer=`` another model's tokenizer, one
+    token more than the export's vocabulary;
     ``quantized`` - an export whose config.json declares a quantization;
-    ``lora_native`` - an export served with LoRA adapters enabled;
     ``classify_native`` / ``classify_upcycled`` - an export and an upcycled Llama served for
     sequence classification (vLLM's pooling runner, ``convert="classify"``)."""
     from transformers import PreTrainedTokenizerFast
@@ -276,6 +277,9 @@ def refusals(root: Path) -> dict[str, dict]:
     rust = byte_level_tokenizer()  # what earlier versions of attnres export wrote: the line break pads
     PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=rust.id_to_token(10), clean_up_tokenization_spaces=False,
                             chat_template=CHAT_TEMPLATE, model_max_length=256).save_pretrained(dirs["old_tokenizer"])
+    rust = byte_level_tokenizer()
+    rust.add_tokens(["<extra>"])  # id 256: past the export's embedding
+    PreTrainedTokenizerFast(tokenizer_object=rust).save_pretrained(root / "larger_tokenizer")
     dirs["query_missing"] = _edit_weights(root / "query_missing", dirs["native"],
                                           lambda t: _drop_residual(t, keep=lambda n: n != "residual.mixers.1.query"))
     dirs["extra_tensor"] = _edit_weights(root / "extra_tensor", dirs["native"],
@@ -294,7 +298,7 @@ def refusals(root: Path) -> dict[str, dict]:
                                                     "upcycled_no_residual", "llama_model_type", "quantized", "query_missing",
                                                     "upcycled_residual_missing", "extra_tensor")}
     out["quantized"]["engine"] = {"dtype": "bfloat16"}  # vLLM's fp8 takes no float32
-    out["lora_native"] = {"model": dirs["native"], "engine": {"enable_lora": True, "max_lora_rank": 8}}
+    out["other_tokenizer"] = {"model": dirs["native"], "engine": {"tokenizer": str(root / "larger_tokenizer")}}
     for name in ("native", "llama"):  # vLLM's sequence-classification adapter: a head no checkpoint holds
         out[f"classify_{'upcycled' if name == 'llama' else name}"] = {"model": dirs[name], "engine": {"runner": "pooling", "convert": "classify"}}
     return out
@@ -307,7 +311,7 @@ LORA_RANK, LORA_ALPHA = 8, 16
 
 def save_lora_adapter(out: Path, base: Path, seed: int = 1) -> dict[str, torch.Tensor]:
     """A random LoRA adapter (PEFT's files: ``adapter_config.json``, ``adapter_model.safetensors``)
-    for the upcycled model in ``base``, large enough to change its greedy tokens; returns the
+    for the upcycled or exported model in ``base``, large enough to change its greedy tokens; returns the
     weight deltas ``alpha / r * B @ A`` by the base model's parameter names."""
     import json
 

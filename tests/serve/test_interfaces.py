@@ -1,19 +1,21 @@
-"""The vLLM interfaces the upcycled classes declare, working: a LoRA adapter on the upcycled
-Llama (its engine serves it beside the base model; the tokens are HF ``generate``'s with the
-adapter merged into the weights), and EAGLE-3 speculative decoding with a random drafter, whose
+"""The vLLM interfaces the served classes declare, working: a LoRA adapter on the upcycled
+Llama and on an export (each engine serves it beside the base model; the tokens are HF
+``generate``'s / ``attnres generate``'s with the adapter merged into the weights), and EAGLE-3 speculative decoding with a random drafter, whose
 auxiliary hidden states are the AttnRes depth mixtures each decoder layer reads (not a
 running residual sum), and under which the greedy tokens stay the model's. What the served
-classes refuse instead (quantization, LoRA on an export, ...) is in test_load_errors.py."""
+classes refuse instead (quantization, LoRA on a mixture of experts, ...) is in test_load_errors.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conftest import EAGLE3_PROMPT, LORA_MODEL
+from conftest import EAGLE3_PROMPT, LORA_MODEL, LORA_MODELS
 
 
-def test_lora_adapter_gives_the_merged_models_tokens(served, lora_adapter):
-    _, reference = lora_adapter
-    model = served[LORA_MODEL]
+@pytest.mark.parametrize("name", LORA_MODELS)
+def test_lora_adapter_gives_the_merged_models_tokens(served, lora_adapter, name):
+    _, reference = lora_adapter[name]
+    model = served[name]
     out = model.result()
     assert out["lora"] == reference
     assert out["lora"] != model.ref  # the adapter changes the tokens ...

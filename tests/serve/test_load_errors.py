@@ -51,6 +51,16 @@ def test_a_tokenizer_that_would_drop_line_breaks(load_failures):
     assert "attnres export --checkpoint RUN --out DIR" in log
 
 
+def test_a_tokenizer_with_ids_past_the_vocabulary(load_failures):
+    """``tokenizer=`` another model's tokenizer, larger than the model's vocabulary: vLLM checks
+    prompts against the larger of the two, and a prompt with token 256 failed the engine's step
+    (``IndexError: index out of range in self``). Refused at load, naming both sizes."""
+    log = refused(load_failures, "other_tokenizer")
+    assert "larger_tokenizer/tokenizer.json has token ids up to 256 ('<extra>'), past the model's vocabulary " \
+           "(vocab_size 256: ids 0 to 255)" in log, log[-3000:]
+    assert "drop --tokenizer" in log
+
+
 @pytest.mark.parametrize("name, lacking", [("query_missing", r"1 tensor\(s\) that the model described by .* needs: "
                                                                r"'residual\.mixers\.1\.query'\."),
                                            ("upcycled_residual_missing", r"\d+ tensor\(s\) that the model described "
@@ -90,12 +100,6 @@ def test_a_quantized_checkpoint(load_failures):
     log = refused(load_failures, "quantized")
     assert "quantized/config.json: quantized AttnRes models are not served ('fp8', from its quantization_config)" \
         in log, log[-3000:]
-
-
-def test_lora_on_an_export(load_failures):
-    log = refused(load_failures, "lora_native")
-    assert "config.json: LoRA adapters are not supported here: an attnres export (AttnResForCausalLM) does not " \
-           "declare LoRA support" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("name", ["classify_native", "classify_upcycled"])

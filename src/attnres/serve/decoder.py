@@ -292,8 +292,8 @@ def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str,
     names (``"lora"``, ``"eagle3"``, ``"float16"`` -> the reason), expert-parallel load balancing, a head
     size the selected attention backend does not support (vLLM's CPU attention takes a
     fixed list), a context longer than the rotary tables (:func:`check_context`), and a
-    tokenizer that would drop ordinary text from the served text
-    (:func:`attnres.serve.checkpoint.check_tokenizer`)."""
+    tokenizer that would drop ordinary text from the served text or whose ids run past the model's
+    vocabulary (:func:`attnres.serve.checkpoint.check_tokenizer`)."""
     file = config_file(vllm_config)
     problems = _refusals(vllm_config, refused or {})
     uncut = uncut_residual(model.model.residual, get_pp_group().world_size)
@@ -311,7 +311,7 @@ def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str,
     check_context(model, vllm_config)
     model_config = vllm_config.model_config
     if not model_config.skip_tokenizer_init and Path(model_config.tokenizer).exists():  # (--tokenizer: a file too)
-        check_tokenizer(model_config.tokenizer)
+        check_tokenizer(model_config.tokenizer, model_config.get_vocab_size())
 
 
 def check_context(model: nn.Module, vllm_config: VllmConfig) -> None:

@@ -17,6 +17,10 @@ adds it and stacks ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into
 rounded once; vLLM's cache (float32 arithmetic) is replaced by those values, so positions
 are encoded exactly as in ``attnres generate``.
 
+LoRA: vLLM wraps the same projection layers (``SupportsLoRA``; ``packed_modules_mapping``
+names the stacked ones), and PEFT's adapters of the export's transformers model name them as
+the checkpoint does (``layers.{i}.attn.q_proj``); no adapters on the embedding or the head.
+
 Pipeline parallelism: each rank builds its range of the decoder layers (vLLM's
 ``make_layers``; the others are ``PPMissingLayer``), the embedding on the first rank (and on
 the last where the head is tied to it), the final norm and the head on the last; every rank
@@ -39,7 +43,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
-from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.interfaces import SupportsLoRA, SupportsPP
 from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, WeightsMapper, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
@@ -57,7 +61,6 @@ __all__ = ["AttnResForCausalLM", "AttnResModel", "NativeDecoderLayer"]
 NAMES = SublayerNames(attention="attn", mlp="mlp", layout=Layout("attn_norm", "mlp_norm"))
 #: What an export refuses, with the reason (decoder.check_servable).
 REFUSED = {
-    "lora": "an attnres export (AttnResForCausalLM) does not declare LoRA support; upcycled dense families do",
     "eagle3": "an attnres export (AttnResForCausalLM) does not hand EAGLE-3 drafters its hidden states; the upcycled "
               "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, DeepSeek-V2 and DeepSeek-V3 do",
 }
@@ -125,7 +128,7 @@ class AttnResModel(nn.Module):
         return out if isinstance(out, IntermediateTensors) else self.norm(out)
 
 
-class AttnResForCausalLM(nn.Module, SupportsPP):
+class AttnResForCausalLM(nn.Module, SupportsPP, SupportsLoRA):
     """vLLM model for the ``AttnResForCausalLM`` architecture of ``attnres export``."""
 
     hf_to_vllm_mapper = WeightsMapper(
