@@ -118,6 +118,33 @@ def test_a_model_of_fake_tensors_runs_without_autograd_and_keeps_no_queries(monk
     assert "_folded_cache" not in model.residual.__dict__
 
 
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_a_model_built_and_loaded_under_inference_mode_runs_and_follows_its_loads(residual):
+    """A model built (or loaded: ``load_run``, ``from_pretrained``) under
+    ``torch.inference_mode()`` has inference tensors for parameters, which track no version
+    counter: the kept folded queries' key read each query's, and every forward and generate
+    failed ("Inference tensors do not track version counter"). Such a model keeps nothing and
+    runs - the logits and greedy tokens of the same weights built outside the mode - and a
+    ``load_state_dict`` inside the mode (which changes no version anyone can read) is seen."""
+    from attnres.inference import generate
+
+    outside = make_model(residual=residual).eval()
+    ids = random_ids(1, 9)
+    other = make_model(residual=residual, seed=1).state_dict()  # (other randomised queries)
+    with torch.inference_mode():
+        inside = make_model(residual=residual).eval()
+        assert inside.residual.mixers[0].query.is_inference()
+        inside.load_state_dict(outside.state_dict())
+        torch.testing.assert_close(inside(ids).logits, outside(ids).logits, rtol=0, atol=0)
+        tokens = generate(inside, ids, max_new_tokens=4)
+        inside.load_state_dict(other)  # (in place, inside the mode: nothing kept may hide it)
+        changed = inside(ids).logits
+    assert torch.equal(tokens, generate(outside, ids, max_new_tokens=4))
+    outside.load_state_dict(other)
+    with torch.no_grad():
+        torch.testing.assert_close(changed, outside(ids).logits, rtol=0, atol=0)
+
+
 def test_real_weights_run_under_fake_tensors_keep_no_fake_queries():
     """A model of real weights run without autograd under FakeTensorMode (a shape survey of
     an existing model) kept the folded queries it stacked there - a fake tensor, without

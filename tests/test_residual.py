@@ -483,6 +483,34 @@ def test_a_residual_materialised_by_to_empty_refuses_its_first_forward_until_its
         assert "_materialised" not in residual.__dict__  # (no later forward looks)
 
 
+@pytest.mark.parametrize("kind", ["attnres_block", "attnres_full"])
+def test_a_residual_materialised_by_to_empty_under_inference_mode_runs_once_written(kind):
+    """``to_empty`` under ``torch.inference_mode()`` (a model set up for serving there) gives
+    inference tensors, which track no version counter: marking them for the refusal above
+    failed ("Inference tensors do not track version counter"), so no such model could be
+    materialised. They go unmarked (a write to them cannot be seen), and the residual runs once
+    written, as the one built on the CPU."""
+    config = ResidualConfig(kind=kind, block_size=2)
+    reference = build_residual(config, 8, 4)
+    torch.manual_seed(0)
+    reference.reset_parameters()
+    x = torch.randn(2, 3, 8)
+    with torch.inference_mode():
+        with torch.device("meta"):
+            residual = build_residual(config, 8, 4)
+        residual.to_empty(device="cpu")
+        residual.load_state_dict(reference.state_dict())
+        state = residual.start(x)
+        for l in range(4):
+            residual.add_output(state, l, torch.tanh(residual.sublayer_input(state, l)))
+        out = residual.finish(state)
+    with torch.no_grad():
+        state = reference.start(x)
+        for l in range(4):
+            reference.add_output(state, l, torch.tanh(reference.sublayer_input(state, l)))
+        torch.testing.assert_close(out, reference.finish(state), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", [k for k in registered_residuals() if residual_class(k).builtin()])
 def test_a_meta_embedding_runs_on_a_residual_on_meta_and_is_refused_by_name_by_one_with_parameters_elsewhere(kind):
     """A meta embedding (a shape query) was let through ``start`` whatever the parameters'

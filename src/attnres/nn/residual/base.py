@@ -306,7 +306,7 @@ class ResidualStream(DrivenModule, ABC):
         out = super()._apply(fn, recurse)
         if was_meta and not any(p.is_meta for p in self.parameters()):
             self._materialised = {name: (p._version, p.data_ptr()) for name, p in self.named_parameters()
-                                  if type(p) is nn.Parameter}
+                                  if type(p) is nn.Parameter and not p.is_inference()}  # (which track no version)
         return out
 
     def _refuse_unwritten(self, where: str) -> None:
@@ -314,7 +314,8 @@ class ResidualStream(DrivenModule, ABC):
         else the record goes, and no later forward looks."""
         marks = self._materialised
         unwritten = [name for name, p in self.named_parameters()
-                     if type(p) is nn.Parameter and marks.get(name) == (p._version, p.data_ptr())]
+                     if type(p) is nn.Parameter and name in marks and not p.is_inference()
+                     and marks[name] == (p._version, p.data_ptr())]
         if unwritten:
             raise ValueError(f"{where}: parameter(s) {unwritten[:3]} of residual {self._label()} hold the uninitialised "
                              "memory to_empty() left (pseudo-queries of ~1e24 or NaN: a NaN output); initialise them "
