@@ -1025,6 +1025,23 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
     assert "needs the 'upcycle' extra" in missing_extra(["upcycle"], ModuleNotFoundError(name="gguf"))
 
 
+@pytest.mark.parametrize("module", ["transformers", "gguf", "accelerate"])
+def test_upcycle_names_its_own_extra_whatever_module_is_missing(module):
+    """`attnres upcycle` without transformers named the 'hf' extra, and without gguf (a GGUF
+    file) the 'upcycle' one: a user following the first line installed hf, then met the second.
+    The upcycle extra brings hf's packages (pyproject.toml), so every line names it: one
+    install. The table of extras that bring others' is pyproject's."""
+    from attnres.cli import missing_extra
+    from attnres.cli.common import EXTRAS_BROUGHT
+
+    assert "this needs the 'upcycle' extra: " in missing_extra(["upcycle"], ModuleNotFoundError(name=module))
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11)
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    extras = declared["project"]["optional-dependencies"]
+    for extra, brought in EXTRAS_BROUGHT.items():
+        assert {f"attnres[{b}]" for b in brought} <= set(extras[extra])
+
+
 def test_every_command_s_missing_extra_line_names_the_command():
     """`attnres status` of a base install said "attnres: error: this needs the 'train' extra",
     naming no command, as every other command's line does: status was missing from the table

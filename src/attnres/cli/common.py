@@ -417,7 +417,11 @@ def apply_cpu_allocator(settings: dict) -> None:
 #: command but ``env``, which needs none (``status`` reads checkpoints: safetensors).
 COMMAND_EXTRAS = {"train": "train", "generate": "train", "status": "train", "compare": "experiments",
                   "experiment": "experiments", "analyze": "experiments", "plot": "experiments", "export": "hf",
-                  "eval": "hf", "upcycle": "hf"}
+                  "eval": "hf", "upcycle": "upcycle"}
+#: The extras that bring another extra's packages with their own (pyproject.toml: ``upcycle =
+#: [gguf, attnres[hf]]``): where a command's extra brings the missing module's, the line names
+#: the command's - one install - rather than the module's, after which the command fails again.
+EXTRAS_BROUGHT = {"upcycle": ("hf",)}
 #: The extra of a module that a command needs only for some of its inputs, whatever the
 #: command's own extra: transformers for a transformers directory, a family's model
 #: (``model.hf_architecture``) or ``generate --chat`` (the train and experiments extras hold
@@ -470,7 +474,10 @@ def missing_extra(argv: list[str], error: ImportError) -> str | None:
     from ..extras import install_command
 
     command = next((a for a in argv if a in COMMAND_EXTRAS), None)
-    extra = MODULE_EXTRAS.get(missing) or COMMAND_EXTRAS.get(command, "train")
+    own = COMMAND_EXTRAS.get(command, "train")
+    extra = MODULE_EXTRAS.get(missing, own)
+    if extra in EXTRAS_BROUGHT.get(own, ()):
+        extra = own
     return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
             f"{install_command(extra)} (the module {missing!r} is not installed)")
 
