@@ -28,8 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def doc_blocks(name: str, language: str = "python") -> list[str]:
-    """The ``language`` blocks of ``docs/NAME``, as written."""
-    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "docs" / name).read_text(), re.S)
+    """The ``language`` blocks of ``docs/NAME`` (of the README for ``README.md``), as written."""
+    path = ROOT / name if name == "README.md" else ROOT / "docs" / name
+    return re.findall(rf"```{language}\n(.*?)```", path.read_text(), re.S)
 
 
 def own_residual_block() -> str:
@@ -169,3 +170,65 @@ def test_the_committed_scaling_report_names_the_size_it_leaves_out():
     report = (ROOT / "results" / "scaling" / "report.md").read_text()
     left_out = re.search(r"^Left out of this report: .*$", report, re.M)
     assert left_out and all(f"{v}_s5" in left_out[0] for v in ("baseline", "block", "full")), left_out
+
+
+#: mypy's settings for the blocks: attnres read as an installed package is (PEP 561: its
+#: ``py.typed``, without which every name it exports is ``Any``; no error inside it reported), and
+#: the other modules a block imports (vLLM, lm_eval, xgrammar: untyped or absent) as ``Any``.
+MYPY_CONFIG = """
+[mypy]
+ignore_missing_imports = True
+[mypy-attnres.*]
+ignore_missing_imports = False
+follow_imports = silent
+"""
+
+#: Ends each block of docs/*.md, several of which continue another (``model``, ``tok``: named
+#: before); the README's run as written (``tests/test_readme.py``), and are checked whole.
+CONTINUED = '\n# mypy: disable-error-code="name-defined"\n'
+
+#: What the fields that ``__post_init__`` converts give when read, and what they refuse: read as
+#: ``Held | Given``, ``config.residual.kind`` was refused; typed ``Any``, ``residual=3`` passed.
+READS = """# mypy: warn-unused-ignores
+from pathlib import Path
+
+from typing_extensions import assert_type
+
+from attnres import ModelConfig, ResidualConfig
+from attnres.train import TrainConfig
+from attnres.train.config import DataConfig
+
+config = TrainConfig(model={"residual": "attnres_full"}, data={"tokenizer": "byte"}, out_dir=Path("runs"))
+assert_type(config.model, ModelConfig)
+assert_type(config.model.residual, ResidualConfig)
+assert_type(config.data, DataConfig)
+assert_type(config.out_dir, str)
+assert_type(config.resume_from, str | None)
+ModelConfig(residual=3)  # type: ignore[arg-type]
+TrainConfig(out_dir=3)  # type: ignore[arg-type]
+"""
+
+
+@pytest.mark.slow  # (about 30 s)
+def test_the_python_blocks_type_check_against_the_package(tmp_path):
+    """mypy on the README's ``python`` blocks and docs/*.md's, attnres found on ``PYTHONPATH``
+    as a user's type checker finds it installed. The annotations said less than the code takes
+    or gives: ``ModelConfig(residual={...})`` and ``TrainConfig(model="tiny", data={...},
+    out_dir=Path(...))`` were refused (the fields' types, though ``__post_init__`` converts), the
+    tokenizer ``load_tokenizer`` returns had no ``prefix_ids``, ``load_run(result.checkpoint)``
+    took a ``Path | None``; and without ``py.typed`` mypy read none of it. With them, what those
+    fields read and refuse (:data:`READS`)."""
+    pytest.importorskip("mypy")  # (the dev extra's)
+    blocks = {f"readme_{i}": b for i, b in enumerate(doc_blocks("README.md"))}
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        blocks.update({f"doc_{doc.stem.replace('-', '_')}_{i}": b + CONTINUED for i, b in enumerate(doc_blocks(doc.name))})
+    blocks["reads"] = READS
+    for name, block in blocks.items():
+        (tmp_path / f"{name}.py").write_text(block)
+    (tmp_path / "my_residuals.py").write_text(own_residual_block())  # (what docs/experiments.md's grid imports)
+    (tmp_path / "mypy.ini").write_text(MYPY_CONFIG)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--no-incremental",
+                           "--cache-dir", os.devnull, *(f"{name}.py" for name in blocks)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert len(blocks) > 6 and done.returncode == 0, done.stdout + done.stderr

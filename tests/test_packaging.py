@@ -77,5 +77,6 @@ def test_the_sdist_builds_the_wheel_and_holds_no_half_of_the_test_suite(built):
     assert not [n for n in sdist if n.startswith(("tests/", "benchmarks/", "studies/", "docs/"))]
     shipped = {n.removeprefix("src/") for n in sdist if n.startswith("src/attnres/") and "." in n.rpartition("/")[2]}
     assert shipped <= set(wheel) and "attnres/configs/train-cpu.yaml" in wheel
+    assert "attnres/py.typed" in wheel  # (PEP 561: without it a type checker reads none of the annotations)
     assert not [n for n in wheel if not n.startswith(("attnres/", "attnres-"))]
     assert not [n for n in wheel if n.endswith((".pyc", ".pyo")) or "__pycache__" in n or "/tests/" in n]

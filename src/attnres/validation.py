@@ -19,7 +19,34 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Generic, NoReturn, TypeVar, overload
+
+Held = TypeVar("Held")
+Given = TypeVar("Given")
+
+#: A path as the path fields take one: a string, or a path object (``pathlib.Path``).
+PathText = str | os.PathLike[str]
+
+
+class Converted(Generic[Held, Given]):
+    """The annotation of a config field that its ``__post_init__`` converts: the constructor
+    takes a ``Given`` (a preset name, a mapping, a ``pathlib.Path``) and the field holds a
+    ``Held``, as a type checker is told by this descriptor's ``__set__`` and ``__get__`` (a
+    dataclass field annotated with a descriptor takes its ``__set__`` value in ``__init__``).
+    Annotating the field ``Held`` refused ``ModelConfig(residual={...})`` in mypy, and ``Held |
+    Given`` every read of it (``config.residual.kind``). Only an annotation: no field holds one.
+    (mypy checks an assignment after construction against ``Given`` too; ``validate`` converts
+    the path fields again then, but not a section given as a mapping.)"""
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Converted[Held, Given]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> Held: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        raise TypeError("Converted is an annotation, not a field's value")
+
+    def __set__(self, obj: object, value: Given) -> None:
+        raise TypeError("Converted is an annotation, not a field's value")
 
 
 def python_scalars(config: Any) -> None:

@@ -25,7 +25,8 @@ TOKENIZER_KINDS = ("bpe", "byte")
 
 
 class Tokenizer(Protocol):
-    """What training needs from a tokenizer."""
+    """What training and inference need from a tokenizer (what :class:`ByteTokenizer` and
+    :class:`BPETokenizer` both have)."""
 
     kind: str
     vocab_size: int
@@ -46,6 +47,13 @@ class Tokenizer(Protocol):
         ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        """The ids its template puts before a text, which :meth:`encode` leaves out
+        (:attr:`BPETokenizer.prefix_ids`): a prompt is ``prefix_ids + encode(text)``, as the README
+        writes it for :func:`attnres.inference.load_tokenizer`'s tokenizer."""
+        ...
 
 
 #: The text a tokenizer's template (:func:`template_tokens`) is probed with.

@@ -16,7 +16,7 @@ from ..nn.residual import (ResidualConfig, build_residual, registered_residuals,
                            validate_residual_config)
 from ..nn.residual.config import VARIANT_FIELDS, merge_residual
 from ..user_warning import warn_user
-from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
+from ..validation import Choice, Converted, Fields, Nullable, did_you_mean, flatten, python_scalars
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS", "read_quietly",
            "as_read_back", "read_back", "readers_in_words", "residual_fields_given", "residual_fields_stated", "stated",
@@ -250,7 +250,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
-    residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
+    # (a mapping of its fields or a variant's name is converted by __post_init__)
+    residual: Converted[ResidualConfig, ResidualConfig | dict[str, Any] | str] = dataclasses.field(
+        default_factory=ResidualConfig)
     hf_architecture: str | None = None
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 

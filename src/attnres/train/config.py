@@ -19,9 +19,9 @@ from ..models.config import (PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTION
 from ..models.hf_registry import hf_hook
 from ..nn.residual.block import naming_block_size
 from ..shell_words import shell_path
-from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
-                          TextList, check_known_keys, fail, flatten, missing_path_hint, nearest, python_scalars,
-                          yaml_typed_hint)
+from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, Converted, DeviceChoice, Int, Nullable, Number,
+                          PathText, Rule, Text, TextList, check_known_keys, fail, flatten, missing_path_hint, nearest,
+                          python_scalars, yaml_typed_hint)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -192,8 +192,11 @@ class TrainConfig:
     yourself); see :mod:`attnres.train.cpu_memory`.
     """
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset(DEFAULT_MODEL_PRESET))
-    data: DataConfig = field(default_factory=DataConfig)
+    # (Converted: __post_init__ reads a section given as YAML gives it - a preset name, a mapping - and a
+    # path object as its string, out_dir=Path(...))
+    model: Converted[ModelConfig, ModelConfig | dict[str, Any] | str] = field(
+        default_factory=lambda: ModelConfig.preset(DEFAULT_MODEL_PRESET))
+    data: Converted[DataConfig, DataConfig | dict[str, Any]] = field(default_factory=DataConfig)
     seed: int = 0
     steps: int = 1000
     stop_after: int | None = None
@@ -223,14 +226,14 @@ class TrainConfig:
     diagnostics_every: int = 100
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
-    out_dir: str = "runs/attnres"
+    out_dir: Converted[str, PathText] = "runs/attnres"
     dist_timeout_s: float = 600.0
     setup_timeout_s: float = 86400.0
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: Converted[ParallelConfig, ParallelConfig | dict[str, Any]] = field(default_factory=ParallelConfig)
     activation_checkpoint: str = "none"
     resume: bool = False
-    resume_from: str | None = None
-    init_from: str | None = None
+    resume_from: Converted[str | None, PathText | None] = None
+    init_from: Converted[str | None, PathText | None] = None
     allow_data_change: bool = False
     allow_residual_change: bool = False
     progress: bool = True

@@ -146,7 +146,9 @@ def out_of_memory(error: BaseException, config: TrainConfig, device: torch.devic
 @dataclass
 class TrainResult:
     """What :func:`train` returns. ``interrupted`` names the signal that stopped the run
-    (``"SIGINT"``/``"SIGTERM"``), else ``None``."""
+    (``"SIGINT"``/``"SIGTERM"``), else ``None``. ``checkpoint`` is the run's last checkpoint:
+    ``None`` only where this call trained no step and resumed none (a run ends each call with
+    one), so a type checker asks for the check before ``load_run(result.checkpoint)``."""
 
     step: int
     train_loss: float | None
