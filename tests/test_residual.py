@@ -115,10 +115,14 @@ def test_block_sources_per_sublayer_follow_spec(kind, d, L, S):
 
 
 def test_full_sources_per_sublayer():
+    """Sublayer l sees v_0 .. v_{l-1}; the output aggregation all L + 1 sources (report §3.1) -
+    in the recorded weights and in ``sources_per_mixer``, which the FLOP count and the
+    input-independent-mixing ablation's per-source logits are sized by."""
     fast, naive, subs = make_pair("full", 6, 7, group=3)
     for module in (fast, naive):
         _, weights = run(module, subs, torch.randn(2, 6, dtype=torch.float64), record=True)
         assert [w.shape[0] for w in weights] == list(range(1, 9))
+        assert module.sources_per_mixer() == list(range(1, 9))
 
 
 def test_block_size_one_is_exactly_full_attnres():
