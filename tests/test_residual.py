@@ -803,6 +803,22 @@ def test_a_state_serves_the_module_that_began_it_and_a_tensor_is_no_state(make):
     assert residual.finish(state).shape == x.shape
 
 
+def test_the_folded_query_of_bfloat16_parameters_is_their_float32_product():
+    """The two-phase path folds the key-norm gain into the query (report §3.1); of bfloat16
+    parameters the product is taken in float32, as the naive path's keys * gain and query
+    product are - folded in bfloat16 first, the two schedules differed by the product's rounding."""
+    from attnres.nn import DepthQuery
+
+    g = torch.Generator().manual_seed(0)
+    mixer = DepthQuery(64)
+    with torch.no_grad():
+        mixer.query.copy_(torch.randn(64, generator=g))
+        mixer.key_norm.weight.copy_(1 + torch.rand(64, generator=g))
+    mixer = mixer.to(torch.bfloat16)
+    exact = mixer.query.float() * mixer.key_norm.weight.float()  # (8-bit mantissas: exact in float32)
+    assert torch.equal(mixer.folded_query(torch.float32), exact)
+
+
 def test_a_depth_query_of_ones_own_is_called_like_a_layer():
     """``DepthQuery(d)(sources)`` - one mixer in a model of one's own - ended in nn.Module's
     "missing the required forward function": it runs :meth:`attend`."""
