@@ -819,6 +819,28 @@ def test_the_folded_query_of_bfloat16_parameters_is_their_float32_product():
     assert torch.equal(mixer.folded_query(torch.float32), exact)
 
 
+@pytest.mark.parametrize("schedule", ["two_phase", "naive"])
+def test_an_output_wider_than_the_stream_is_cast_to_the_streams_dtype(schedule):
+    """Block AttnRes' merge reads a narrower output (an autocast sublayer's bf16) as it is; a
+    wider one - float32 into a bfloat16 stream - is cast to the stream's dtype first, as every
+    variant casts it: the forward equals the one given the outputs cast by hand, bit for bit."""
+    fast, naive, _ = make_pair("block", 8, 5, S=2)
+    m = fast if schedule == "two_phase" else naive
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(2, 3, 8, generator=g).to(torch.bfloat16)
+    outs = [torch.randn(2, 3, 8, generator=g) for _ in range(5)]
+
+    def forward(cast):
+        state = m.start(emb)
+        for l, out in enumerate(outs):
+            m.sublayer_input(state, l)
+            m.add_output(state, l, out.to(torch.bfloat16) if cast else out)
+        return m.finish(state)
+
+    with torch.no_grad():
+        assert torch.equal(forward(cast=False), forward(cast=True))
+
+
 def test_a_depth_query_of_ones_own_is_called_like_a_layer():
     """``DepthQuery(d)(sources)`` - one mixer in a model of one's own - ended in nn.Module's
     "missing the required forward function": it runs :meth:`attend`."""
