@@ -765,6 +765,8 @@ def test_every_size_the_kernels_trust_is_checked_first(backend):
     bad = [((z, [sources[0], short], computed, qg), r"sources\[1\] has shape \(2, 4, 8\)"),
            ((z, sources, [short], qg), r"computed\[0\] has shape \(2, 4, 8\)"),
            ((z[:, :4], sources, computed, qg), r"z must have shape \[2, 5, 2\]"),
+           # (one logit more than sources: a softmax over a logit of no source, a finite wrong answer)
+           ((torch.cat([z, z[..., :1]], -1), sources, computed, qg), r"^z has 3 logits for 2 sources$"),
            ((z, sources, computed, torch.randn(9)), r"qg must have shape \(8,\)"),
            ((z, sources, computed, torch.randn(3, 8)), r"qg must have shape \(8,\)"),
            ((z, sources, computed, qg, 1e-6, torch.ones(9)), r"norm_weight must have shape \(8,\)")]

@@ -6,6 +6,7 @@ the depth weights are far from uniform.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import warnings
@@ -205,6 +206,20 @@ def test_padded_forward_matches_unpadded(model):
     batch = full_logits(model, ids, attention_mask=mask)
     for i, p in enumerate(prompts):
         close(batch[i, -len(p) :], full_logits(model, p[None])[0], f"row {i}")
+
+
+def test_padded_forward_matches_unpadded_under_eager_attention(model):
+    """A padded query attends to its own key only, so that no softmax row is empty: a row of
+    -inf scores is NaN under eager attention, and the padded positions' NaN values reached
+    every real token of the row at the next layer (weight 0 times NaN)."""
+    eager = copy.deepcopy(model).double()  # (float64: a tolerance far below any real difference)
+    for layer in eager.layers:
+        layer.attn.implementation = "eager"
+    prompts, ids, mask = padded_batch([5, 12, 9])
+    batch = full_logits(eager, ids, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(batch[i, -len(p) :], full_logits(eager, p[None])[0], atol=1e-10, rtol=1e-10,
+                                   msg=lambda m, i=i: f"row {i}: {m}")
 
 
 def test_padded_generation_matches_alone(model):

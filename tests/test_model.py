@@ -698,6 +698,16 @@ def test_bad_token_ids_raise_before_any_compute(ids, match):
     assert not ran
 
 
+def test_a_sequence_of_exactly_max_seq_len_tokens_runs():
+    """The context is ``max_seq_len`` tokens: a forward of that many (ids or embeddings) runs;
+    one more is refused (above). A check that refused the full context passed every test."""
+    model = make_model()
+    ids = torch.randint(0, 256, (1, model.config.max_seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(ids).logits.shape == (1, 128, 256)
+        assert torch.equal(model(inputs_embeds=model.embed_tokens(ids)).logits, model(ids).logits)
+
+
 def test_bad_labels_shape_raises():
     model = make_model()
     with pytest.raises(ValueError, match="labels must have the shape"):

@@ -115,10 +115,14 @@ def test_block_sources_per_sublayer_follow_spec(kind, d, L, S):
 
 
 def test_full_sources_per_sublayer():
+    """Sublayer l sees v_0 .. v_{l-1}; the output aggregation all L + 1 sources (report §3.1) -
+    in the recorded weights and in ``sources_per_mixer``, which the FLOP count and the
+    input-independent-mixing ablation's per-source logits are sized by."""
     fast, naive, subs = make_pair("full", 6, 7, group=3)
     for module in (fast, naive):
         _, weights = run(module, subs, torch.randn(2, 6, dtype=torch.float64), record=True)
         assert [w.shape[0] for w in weights] == list(range(1, 9))
+        assert module.sources_per_mixer() == list(range(1, 9))
 
 
 def test_block_size_one_is_exactly_full_attnres():
@@ -825,6 +829,44 @@ def test_a_state_serves_the_module_that_began_it_and_a_tensor_is_no_state(make):
     for l in range(4):
         residual.add_output(state, l, residual.sublayer_input(state, l))
     assert residual.finish(state).shape == x.shape
+
+
+def test_the_folded_query_of_bfloat16_parameters_is_their_float32_product():
+    """The two-phase path folds the key-norm gain into the query (report §3.1); of bfloat16
+    parameters the product is taken in float32, as the naive path's keys * gain and query
+    product are - folded in bfloat16 first, the two schedules differed by the product's rounding."""
+    from attnres.nn import DepthQuery
+
+    g = torch.Generator().manual_seed(0)
+    mixer = DepthQuery(64)
+    with torch.no_grad():
+        mixer.query.copy_(torch.randn(64, generator=g))
+        mixer.key_norm.weight.copy_(1 + torch.rand(64, generator=g))
+    mixer = mixer.to(torch.bfloat16)
+    exact = mixer.query.float() * mixer.key_norm.weight.float()  # (8-bit mantissas: exact in float32)
+    assert torch.equal(mixer.folded_query(torch.float32), exact)
+
+
+@pytest.mark.parametrize("schedule", ["two_phase", "naive"])
+def test_an_output_wider_than_the_stream_is_cast_to_the_streams_dtype(schedule):
+    """Block AttnRes' merge reads a narrower output (an autocast sublayer's bf16) as it is; a
+    wider one - float32 into a bfloat16 stream - is cast to the stream's dtype first, as every
+    variant casts it: the forward equals the one given the outputs cast by hand, bit for bit."""
+    fast, naive, _ = make_pair("block", 8, 5, S=2)
+    m = fast if schedule == "two_phase" else naive
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(2, 3, 8, generator=g).to(torch.bfloat16)
+    outs = [torch.randn(2, 3, 8, generator=g) for _ in range(5)]
+
+    def forward(cast):
+        state = m.start(emb)
+        for l, out in enumerate(outs):
+            m.sublayer_input(state, l)
+            m.add_output(state, l, out.to(torch.bfloat16) if cast else out)
+        return m.finish(state)
+
+    with torch.no_grad():
+        assert torch.equal(forward(cast=False), forward(cast=True))
 
 
 def test_a_depth_query_of_ones_own_is_called_like_a_layer():
