@@ -599,7 +599,11 @@ def tensor_parallel(session_root, served, jobs) -> Future | None:
     (one core per rank; ``None`` where fewer than two cores are free to bind)."""
     if jobs.width < TP_SIZE:
         return None
-    spec = dict(served[TP_MODEL].spec(), engine=dict(ENGINE, enforce_eager=True, tensor_parallel_size=TP_SIZE))
+    model = served[TP_MODEL]
+    # (without the model's extra requests, which need its own engine's changes: a LoRA adapter
+    # sent to this engine, which enables none, failed the worker)
+    spec = {key: value for key, value in model.spec().items() if key not in model.extra}
+    spec["engine"] = dict(ENGINE, enforce_eager=True, tensor_parallel_size=TP_SIZE)
     return jobs.submit(run_worker, spec, session_root / "engines" / "tensor-parallel", cores=TP_SIZE)
 
 
