@@ -952,6 +952,29 @@ def test_a_graphed_decoder_built_in_inference_mode_takes_new_folded_queries_outs
     _after_a_fused_step_the_replay_is_the_eager_step(model, decoder, fake_cuda_graphs)
 
 
+def test_a_graphed_decoder_of_a_model_built_in_inference_mode_decodes_in_and_out_of_it(fake_cuda_graphs):
+    """A model built under ``torch.inference_mode()`` (its parameters inference tensors, which
+    track no version: the residual keeps no folded queries for it, but stacks them in each
+    forward) and its graphed decoder built there too: loaded outside the mode, the decoder
+    copied the queries stacked then into the ones it captured - an inference tensor, refused
+    outside the mode ("Inplace update to inference tensor outside InferenceMode"). Decoding in
+    and then out of the mode gives the eager step's logits, with one capture."""
+    ids, mask = ragged_prompts()
+    tokens = torch.randint(0, 256, (3, 3), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model = make_model(residual="attnres_block").eval()
+        decoder = StaticDecoder(model, 3, capacity=7 + 3, mode="graph")
+        eager = StaticDecoder(model, 3, capacity=7 + 3, mode="eager")
+    for inside in (True, False):
+        got = {}
+        with torch.inference_mode(inside):
+            for mode, built in (("graph", decoder), ("eager", eager)):
+                built.load(prefill(model, ids, mask)[1], mask)
+                got[mode] = torch.stack([built.step(tokens[:, i]).clone() for i in range(3)], dim=1)
+        torch.testing.assert_close(got["graph"], got["eager"], rtol=0, atol=0)
+    assert fake_cuda_graphs.count("capture") == 1
+
+
 def _after_a_fused_step_the_replay_is_the_eager_step(model, decoder: StaticDecoder, log: list) -> None:
     """A fused AdamW step of ``model``'s residual (in place, its version counters unchanged),
     then ``decoder`` (graphed, batch 3, capacity 10) and an eager decoder each loaded with a

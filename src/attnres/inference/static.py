@@ -288,7 +288,10 @@ class StaticDecoder:
         folded = getattr(self.model.residual, "folded_queries", None)
         if folded is None:
             return addresses, None
-        with torch.no_grad():
+        # (outside inference mode: a model whose parameters are inference tensors keeps no queries, and
+        # those stacked under the mode would be an inference tensor, which _refold's in-place copy outside
+        # it refuses - "Inplace update to inference tensor outside InferenceMode")
+        with torch.inference_mode(False), torch.no_grad():
             return addresses, folded(self.model.embed_tokens.weight.dtype)
 
     def _stale(self) -> bool:
