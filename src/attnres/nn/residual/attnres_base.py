@@ -357,13 +357,15 @@ class AttnResBase(ResidualStream):
         key: list[Any] = [compute_dtype(dtype), _steps_so_far()]
         for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
             q, g = m._parameters.get("query"), m._modules["key_norm"]._parameters.get("weight")
-            if q is None or g is None or q.is_inference() or g.is_inference():
-                # (parametrized, torch.nn.utils.parametrize: a value computed at each read from tensors the key
-                # cannot name - it was a KeyError in every no-grad forward; or parameters made under
-                # torch.inference_mode(), a model built or loaded there, which track no version: "Inference
-                # tensors do not track version counter" in every forward - nothing kept)
+            if q is None or g is None:  # (parametrized, torch.nn.utils.parametrize: a value computed at each read
+                # from tensors the key cannot name - nothing kept; it was a KeyError in every no-grad forward)
                 return self._stacked(dtype)
-            key += (q._version, q.data_ptr(), g._version, g.data_ptr())
+            try:
+                key += (q._version, q.data_ptr(), g._version, g.data_ptr())
+            except RuntimeError:  # (parameters made under torch.inference_mode() - a model built or loaded there -
+                # track no version: "Inference tensors do not track version counter" in every forward; nothing
+                # kept. Asked of the version itself, not by is_inference() on each: this loop runs every decode step)
+                return self._stacked(dtype)
         key.append(q.device)
         cached = self.__dict__.get("_folded_cache")
         if cached is None or cached[0] != key:
